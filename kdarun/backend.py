@@ -1,0 +1,169 @@
+"""The GpuBackend contract every other module talks to, and `open_backend`.
+
+A backend owns device memory (addressed by `DevicePtr`, a byte address), streams (plain
+`int` handles, a raw `cudaStream_t` on CUDA), events, copies, and kernel launch. Kernels
+are addressed by family (the stem of a `kernels_cu/*.cu` file) and name; the host
+backend runs a NumPy implementation of the same kernel with the same arguments.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class KdaError(Exception):
+    """Every error kdarun raises for bad input or bad use; the message says what, where,
+    expected vs actual."""
+
+
+class DevicePtr(int):
+    """A device address in bytes. Offsets add bytes; `DevicePtr(0)` is the null pointer."""
+
+    def __add__(self, nbytes: int) -> "DevicePtr":
+        return DevicePtr(int(self) + int(nbytes))
+
+    def offset(self, nbytes: int) -> "DevicePtr":
+        return self + nbytes
+
+    @property
+    def is_null(self) -> bool:
+        return int(self) == 0
+
+    def __repr__(self) -> str:
+        return f"DevicePtr(0x{int(self):x})"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+
+
+def kernels_dir() -> Path:
+    """Where the `.cu` sources live: the repository's `kernels_cu/` in a checkout,
+    `kdarun/kernels_cu/` in an installed package."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "kernels_cu", here / "kernels_cu"):
+        if cand.is_dir():
+            return cand
+    raise KdaError(f"kernel sources not found next to {here} (looked for kernels_cu/)")
+
+
+class GpuBackend(abc.ABC):
+    """Memory, streams, events, copies and kernel launch on one device."""
+
+    name: str
+
+    # -- memory --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> DevicePtr: ...
+
+    @abc.abstractmethod
+    def free(self, ptr: DevicePtr) -> None: ...
+
+    @abc.abstractmethod
+    def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int) -> None:
+        """Copy `dst.nbytes` bytes into the host array `dst`; complete once the stream is
+        synchronised."""
+
+    @abc.abstractmethod
+    def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int) -> None: ...
+
+    # -- streams and events ----------------------------------------------------------------
+    @abc.abstractmethod
+    def create_stream(self) -> int: ...
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def synchronize(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def create_event(self) -> Any: ...
+
+    @abc.abstractmethod
+    def record_event(self, event: Any, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two recorded events (synchronises on `end`)."""
+
+    # -- kernels ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_module(self, family: str) -> Any:
+        """Load the kernels of `kernels_cu/<family>.cu` (host: their NumPy twins)."""
+
+    @abc.abstractmethod
+    def launch(self, module: Any, kernel: str, cfg: LaunchConfig, args: Sequence[Any],
+               stream: int) -> None:
+        """Enqueue `kernel(*args)` on `stream`. Pointers are `DevicePtr`, `int` parameters
+        `np.int32`, `float` parameters `np.float32`."""
+
+    @abc.abstractmethod
+    def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
+                  m: int, n: int, k: int, stream: int) -> None:
+        """`c[m, n] = bf16(a[m, k] @ w[n, k]^T)`, bf16 operands, fp32 accumulation;
+        `lda`/`ldc` are row strides in elements, `w` is dense `[n, k]`."""
+
+    # -- helpers shared by both backends ------------------------------------------------------
+    @property
+    def device_name(self) -> str:
+        return self.name
+
+    def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
+        """Allocate and copy a host array; returns its device address."""
+        array = np.ascontiguousarray(array)
+        ptr = self.alloc(max(array.nbytes, 1))
+        self.copy_h2d(ptr, array, stream)
+        return ptr
+
+    def download(self, ptr: DevicePtr, shape: tuple[int, ...], dtype: Any,
+                 stream: int = 0) -> np.ndarray:
+        """Copy `shape` elements of `dtype` at `ptr` to a new host array (synchronises)."""
+        out = np.empty(shape, dtype=dtype)
+        self.copy_d2h(out, ptr, stream)
+        self.synchronize(stream)
+        return out
+
+
+def open_backend(kind: str = "auto", *, announce: bool = True) -> GpuBackend:
+    """`"cuda"`, `"host"`, or `"auto"` (CUDA when `cupy.cuda.is_available()`, else host)."""
+    if kind not in ("auto", "cuda", "host"):
+        raise KdaError(f"backend: expected 'auto', 'cuda' or 'host', got {kind!r}")
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "host"
+        if announce:
+            print(f"kdarun: backend auto -> {kind}", file=sys.stderr)
+    if kind == "cuda":
+        if not cuda_available():
+            raise KdaError("backend 'cuda': no usable CUDA device (CuPy missing or "
+                           "cupy.cuda.is_available() is False)")
+        from .cuda_backend import CupyBackend
+        return CupyBackend()
+    from .host_backend import HostBackend
+    return HostBackend()
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+    except Exception:
+        return False
+    try:
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False

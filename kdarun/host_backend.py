@@ -1,0 +1,130 @@
+"""HostBackend: the GpuBackend contract on the CPU with NumPy.
+
+Memory is real host memory addressed by its numeric address, so pointer arithmetic,
+aliasing and out-of-bounds mistakes behave as on a device. Work runs at enqueue time,
+so every stream is trivially ordered. Kernels are the NumPy twins in `host_kernels`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig
+
+_ALIGN = 256  # cudaMalloc's alignment, so views of any dtype are aligned as on a device
+
+
+class HostBackend(GpuBackend):
+    name = "host"
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []  # sorted allocation addresses
+        self._bufs: dict[int, np.ndarray] = {}  # address -> uint8 buffer
+        self._owners: dict[int, np.ndarray] = {}
+        self._next_stream = 1
+
+    @property
+    def device_name(self) -> str:
+        return "CPU (NumPy)"
+
+    # -- memory --------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> DevicePtr:
+        if nbytes <= 0:
+            raise KdaError(f"alloc: nbytes must be positive, got {nbytes}")
+        owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        start = (-owner.ctypes.data) % _ALIGN
+        buf = owner[start:start + nbytes]
+        addr = buf.ctypes.data
+        bisect.insort(self._bases, addr)
+        self._bufs[addr] = buf
+        self._owners[addr] = owner
+        return DevicePtr(addr)
+
+    def free(self, ptr: DevicePtr) -> None:
+        addr = int(ptr)
+        if addr not in self._bufs:
+            raise KdaError(f"free: {ptr!r} is not the start of a live allocation")
+        self._bases.remove(addr)
+        del self._bufs[addr], self._owners[addr]
+
+    def bytes_at(self, ptr: DevicePtr, nbytes: int) -> np.ndarray:
+        """The `nbytes` bytes at `ptr` as a writable uint8 view; bounds-checked."""
+        addr = int(ptr)
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i < 0:
+            raise KdaError(f"{ptr!r} is not inside any allocation")
+        base = self._bases[i]
+        buf = self._bufs[base]
+        off = addr - base
+        if off + nbytes > buf.nbytes or nbytes < 0:
+            raise KdaError(f"access of {nbytes} bytes at {ptr!r} runs past its allocation "
+                           f"(base 0x{base:x}, size {buf.nbytes}, offset {off})")
+        return buf[off:off + nbytes]
+
+    def view(self, ptr: DevicePtr, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
+        """A writable NumPy view of `shape` elements of `dtype` at `ptr`."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        return self.bytes_at(ptr, n * dt.itemsize).view(dt).reshape(shape)
+
+    def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None:
+        self.bytes_at(ptr, nbytes)[:] = byte
+
+    def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
+        src = np.ascontiguousarray(src)
+        self.bytes_at(dst, src.nbytes)[:] = src.reshape(-1).view(np.uint8)
+
+    def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int) -> None:
+        if not dst.flags.c_contiguous:
+            raise KdaError("copy_d2h: destination must be C-contiguous")
+        dst.reshape(-1).view(np.uint8)[:] = self.bytes_at(src, dst.nbytes)
+
+    def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int) -> None:
+        self.bytes_at(dst, nbytes)[:] = self.bytes_at(src, nbytes)
+
+    # -- streams and events ----------------------------------------------------------------
+    def create_stream(self) -> int:
+        self._next_stream += 1
+        return self._next_stream
+
+    def destroy_stream(self, stream: int) -> None:
+        pass
+
+    def synchronize(self, stream: int) -> None:
+        pass
+
+    def create_event(self) -> list[float]:
+        return [0.0]
+
+    def record_event(self, event: list[float], stream: int) -> None:
+        event[0] = time.perf_counter()
+
+    def elapsed_ms(self, start: list[float], end: list[float]) -> float:
+        return (end[0] - start[0]) * 1e3
+
+    # -- kernels ---------------------------------------------------------------------------
+    def load_module(self, family: str) -> dict:
+        from .host_kernels import HOST_KERNELS
+        if family not in HOST_KERNELS:
+            raise KdaError(f"no host implementation of kernel family {family!r}")
+        return HOST_KERNELS[family]
+
+    def launch(self, module: dict, kernel: str, cfg: LaunchConfig, args: Sequence[Any],
+               stream: int) -> None:
+        module[kernel](self, *args)
+
+    def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
+                  m: int, n: int, k: int, stream: int) -> None:
+        bf16 = ml_dtypes.bfloat16
+        av = self.view(a, (m - 1) * lda + k, bf16)
+        av = np.lib.stride_tricks.as_strided(av, (m, k), (lda * 2, 2))
+        wv = self.view(w, (n, k), bf16)
+        cv = self.view(c, (m - 1) * ldc + n, bf16)
+        cv = np.lib.stride_tricks.as_strided(cv, (m, n), (ldc * 2, 2))
+        cv[...] = (av.astype(np.float32) @ wv.astype(np.float32).T).astype(bf16)

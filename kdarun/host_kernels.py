@@ -1,0 +1,209 @@
+"""NumPy twins of the CUDA kernels: same arguments, same buffers, same rounding points.
+
+Each function takes the HostBackend and then exactly the arguments of the kernel of the
+same name in `kernels_cu/`. Arithmetic is fp32 and every bf16 store rounds to nearest
+even, as `__float2bfloat16_rn` does, so host and CUDA agree to fp32 summation-order noise.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .config import CHUNK
+
+BF = ml_dtypes.bfloat16
+F32 = np.float32
+
+
+def _rows(gpu, ptr, m: int, ld: int, n: int, dtype) -> np.ndarray:
+    """[m, n] view of rows with stride `ld` elements."""
+    flat = gpu.view(ptr, (int(m) - 1) * int(ld) + int(n), dtype)
+    return np.lib.stride_tricks.as_strided(flat, (int(m), int(n)),
+                                           (int(ld) * flat.itemsize, flat.itemsize))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return (x * _sigmoid(x)).astype(F32)
+
+
+def _rsqrt_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum(x^2) + eps) over the last axis, fp32."""
+    ss = (x * x).sum(-1, keepdims=True, dtype=F32)
+    return (x * (F32(1) / np.sqrt(ss + F32(eps)))).astype(F32)
+
+
+# -- gemv ------------------------------------------------------------------------------------
+def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy):
+    W = gpu.view(w, (n, k), BF).astype(F32)
+    X, Y = _rows(gpu, x, m, ldx, k, BF), _rows(gpu, y, m, ldy, n, BF)
+    for r in range(int(m)):
+        xr = np.array(X[r], dtype=F32)  # a fresh contiguous row: the same bits for any m
+        Y[r] = (W @ xr).astype(BF)
+
+
+# -- pack ------------------------------------------------------------------------------------
+def pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
+    P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
+    gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
+    gpu.view(qkv_parts, (3, t, qkv), BF)[...] = P.reshape(t, 3, qkv).transpose(1, 0, 2)
+
+
+def widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
+    X = gpu.view(conv_out, (t, 3 * qkv), BF).astype(F32)
+    for i, p in enumerate((q, k, v)):
+        dst = gpu.view(p, (t_pad, qkv), F32)
+        dst[:t] = X[:, i * qkv:(i + 1) * qkv]
+        dst[t:] = pad_fill
+
+
+# -- gate ------------------------------------------------------------------------------------
+def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, H, D,
+                  lower_bound, bounded):
+    x = gpu.view(g_raw, (t, H * D), BF).astype(F32) + gpu.view(dt_bias, H * D, F32)
+    x = x.reshape(t, H, D)
+    a = np.exp(gpu.view(a_log, H, F32))[None, :, None]
+    if bounded:
+        g = F32(lower_bound) * _sigmoid((a * x).astype(F32))
+    else:
+        with np.errstate(over="ignore"):
+            sp = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(F32)
+        g = -a * sp
+    G = gpu.view(gate, (t_pad, H, D), F32)
+    G[:t], G[t:] = g, 0
+    B = gpu.view(beta, (t_pad, H), F32)
+    B[:t], B[t:] = _sigmoid(_rows(gpu, b_raw, t, ldb, H, BF).astype(F32)), 0
+
+
+# -- conv ------------------------------------------------------------------------------------
+def _conv_taps(w: np.ndarray, xs: np.ndarray, t: int) -> np.ndarray:
+    """sum_j w[j] * xs[j + s] for s < t, taps in order (the last multiplies the current row)."""
+    acc = np.zeros((t, w.shape[1]), F32)
+    for j in range(w.shape[0]):
+        acc = (acc + w[j] * xs[j:j + t]).astype(F32)
+    return acc
+
+
+def conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
+    S = gpu.view(conv_state, (W - 1, conv_dim), BF)
+    x = gpu.view(x_row, conv_dim, BF)
+    xs = np.concatenate([S, x[None]]).astype(F32)
+    y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, 1)[0])
+    y[:2 * qkv] = _rsqrt_norm(y[:2 * qkv].reshape(-1, D), 1e-6).reshape(-1)
+    gpu.view(out_row, conv_dim, BF)[...] = y.astype(BF)
+    S[...] = np.concatenate([S[1:], x[None]])
+
+
+def conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
+    xs = np.concatenate([gpu.view(conv_state, (W - 1, conv_dim), BF),
+                         gpu.view(x, (t, conv_dim), BF)]).astype(F32)
+    y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, t))
+    gpu.view(out, (t, conv_dim), BF)[...] = y.astype(BF)
+
+
+def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
+    S = gpu.view(conv_state, (W - 1, conv_dim), BF)
+    S[...] = np.concatenate([S, gpu.view(x, (t, conv_dim), BF)])[-(W - 1):]
+
+
+def l2_norm_bf16(gpu, x, t, ld, nvec, D):
+    X = _rows(gpu, x, t, ld, nvec * D, BF)
+    X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
+
+
+# -- recurrent -------------------------------------------------------------------------------
+def _kda_recurrent(D):
+    def run(gpu, conv_out_row, gate_row, beta_row, state, core_row, H, scale):
+        qkv = H * D
+        row = gpu.view(conv_out_row, 3 * qkv, BF).astype(F32)
+        q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
+        S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
+        S *= np.exp(gpu.view(gate_row, (H, D), F32))[:, None, :]
+        resid = v - np.einsum("hvk,hk->hv", S, k)
+        S += gpu.view(beta_row, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
+        gpu.view(core_row, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * F32(scale))
+    return run
+
+
+# -- chunk (WY) ------------------------------------------------------------------------------
+def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
+    """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
+    (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
+    x = gpu.view(ptr, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
+    return np.where(valid[None, :, None], x, F32(0))
+
+
+def _kda_chunk_intra(D):
+    def run(gpu, q, k, v, gate, beta, g_cum, w, u, aqk, t, t_pad, H, scale):
+        causal = np.tril(np.ones((CHUNK, CHUNK), bool))
+        for ci in range(t_pad // CHUNK):
+            c0 = ci * CHUNK
+            valid = np.arange(c0, c0 + CHUNK) < t
+            qc, kc, vc, gc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k, v, gate))
+            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[c0:c0 + CHUNK].T, F32(0))
+            G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
+            diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
+            decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
+            A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
+            A *= np.tril(np.ones((CHUNK, CHUNK), F32), -1)
+            M = np.einsum("htd,hsd,htsd->hts", qc * F32(scale), kc, decay).astype(F32)
+            rhs = bc[:, :, None] * np.concatenate([vc, kc * np.exp(G)], axis=2)  # [H, C, 2D]
+            X = np.empty_like(rhs)
+            for i in range(CHUNK):  # forward substitution through I + diag(b) A
+                X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
+                                                                 X[:, :i])
+            rows = slice(c0, c0 + CHUNK)
+            gpu.view(g_cum, (t_pad, H, D), F32)[rows] = G.transpose(1, 0, 2)
+            gpu.view(u, (t_pad, H, D), F32)[rows] = X[:, :, :D].transpose(1, 0, 2)
+            gpu.view(w, (t_pad, H, D), F32)[rows] = X[:, :, D:].transpose(1, 0, 2)
+            gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci] = M
+    return run
+
+
+def _kda_chunk_inter(D):
+    def run(gpu, q, k, g_cum, w, u, aqk, state, core, t, t_pad, H, scale):
+        S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
+        St = S.transpose(0, 2, 1).copy()  # [h, k, v]
+        out = gpu.view(core, (t_pad, H, D), F32)
+        for ci in range(t_pad // CHUNK):
+            c0 = ci * CHUNK
+            valid = np.arange(c0, c0 + CHUNK) < t
+            qc, kc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k))
+            G, Wk, U = (gpu.view(p, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
+                        for p in (g_cum, w, u))
+            M = gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci]
+            Wm = U - Wk @ St  # [H, C, Dv]
+            o = (qc * F32(scale) * np.exp(G)) @ St + M @ Wm
+            out[c0:c0 + CHUNK] = np.where(valid[:, None, None], o.transpose(1, 0, 2), F32(0))
+            g_last = G[:, -1, :]  # rows past t carry no decay, so this is the last valid row's
+            St = (np.exp(g_last)[:, :, None] * St
+                  + (kc * np.exp(g_last[:, None, :] - G)).transpose(0, 2, 1) @ Wm).astype(F32)
+        S[...] = St.transpose(0, 2, 1)
+    return run
+
+
+# -- norm ------------------------------------------------------------------------------------
+def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
+    c = gpu.view(core, (t, H, D), F32)
+    ms = (c * c).mean(-1, keepdims=True, dtype=F32)
+    n = (c * (F32(1) / np.sqrt(ms + F32(eps))) * gpu.view(w, D, F32)).astype(F32)
+    g = _sigmoid(gpu.view(out_gate, (t, H * D), BF).astype(F32))
+    gpu.view(out, (t, H * D), BF)[...] = (n.reshape(t, H * D) * g).astype(BF)
+
+
+HOST_KERNELS: dict[str, dict] = {
+    "gemv": {"dense_gemv_bf16": dense_gemv_bf16},
+    "pack": {"pack_qkv": pack_qkv, "widen_f32": widen_f32},
+    "gate": {"kda_gate_beta": kda_gate_beta},
+    "conv": {"conv_decode": conv_decode, "conv_prefill": conv_prefill,
+             "conv_roll_state": conv_roll_state, "l2_norm_bf16": l2_norm_bf16},
+    "recurrent": {f"kda_recurrent_d{d}": _kda_recurrent(d) for d in (64, 128)},
+    "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
+              **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
+    "norm": {"gated_rmsnorm": gated_rmsnorm},
+}

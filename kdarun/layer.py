@@ -1,0 +1,213 @@
+"""Glm5NextKdaLayer: one bound KDA block and its forward paths.
+
+Every method enqueues on the given stream and never synchronises the host, so decode
+can be captured into a CUDA graph; the result lands in `ws.final_out` and the state is
+updated in place. An optional `stage_hook` sees each buffer right after the kernel that
+wrote it (for stage dumps); when it is None nothing extra runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend, KdaError
+from .config import Glm5NextKdaConfig
+from .kernels import MAX_GEMV_ROWS, Glm5NextKdaKernels
+from .state import KdaSeqState, conv_shape, recurrent_shape
+from .weights import Glm5NextKdaWeights
+from .workspace import BF16, F32, SPEC, Glm5NextKdaWorkspace
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One buffer as a kernel left it: `shape` rows at `ptr`, of which the first
+    `valid_rows` (along axis `row_axis`) belong to the run; the rest is padding."""
+    name: str
+    kernel: str
+    ptr: DevicePtr
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    valid_rows: int
+    row_axis: int = 0
+
+
+StageHook = Callable[[Stage, GpuBackend, int], None]
+
+
+class Glm5NextKdaLayer:
+    """One KDA block: `layer_idx` is the 0-based index in the checkpoint's stack."""
+
+    def __init__(self, layer_idx: int, cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights,
+                 kernels: Glm5NextKdaKernels):
+        if kernels.cfg != cfg:
+            raise KdaError(f"layer {layer_idx}: kernels were bound for a different config")
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.weights = weights
+        self.kernels = kernels
+        self.stage_hook: StageHook | None = None
+
+    # -- stage reporting -----------------------------------------------------------------
+    def _ws_stage(self, gpu, stream, ws: Glm5NextKdaWorkspace, name: str, kernel: str, t: int,
+                  row: int | None = None) -> None:
+        if self.stage_hook is None:
+            return
+        spec = SPEC[name]
+        shape = ws.shape(name, t)
+        ptr = ws.ptr(name)
+        if row is not None:  # one row of a per-token buffer (the stateful decode walk)
+            row_elems = int(np.prod(shape[1:]))
+            ptr, shape, name = ptr + row * row_elems * spec.dtype.itemsize, (1,) + shape[1:], \
+                f"{name}[{row}]"
+        axis = 1 if spec.name == "qkv_parts" else 0
+        self.stage_hook(Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis),
+                        gpu, stream)
+
+    def _state_stage(self, gpu, stream, state: KdaSeqState, kernel: str, suffix: str = "") -> None:
+        if self.stage_hook is None:
+            return
+        cfg = self.cfg
+        self.stage_hook(Stage(f"state.recurrent{suffix}", kernel, state.recurrent,
+                              recurrent_shape(cfg), F32, cfg.num_heads), gpu, stream)
+        self.stage_hook(Stage(f"state.conv{suffix}", kernel, state.conv, conv_shape(cfg), BF16,
+                              cfg.conv_kernel - 1), gpu, stream)
+
+    # -- decode pieces ---------------------------------------------------------------------
+    def front_end(self, gpu: GpuBackend, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace,
+                  stream: int) -> None:
+        """The weight-heavy, stateless half of decode over t rows of hidden [t, hidden] bf16:
+        packed q|k|v|f_a|g_a|b GEMV, both low-rank gate up-projections, pack, gate, beta."""
+        c, w, kn = self.cfg, self.weights, self.kernels
+        kn.dense_gemv_bf16_batchm(stream, w.w_in, hidden, ws.ptr("proj"), c.proj_rows,
+                                  c.hidden_size, t, ldy=c.proj_width)
+        self._lowrank_and_pack(gpu, t, t, ws, stream, gemv=True)
+
+    def stateful_row(self, gpu: GpuBackend, row: int, state: KdaSeqState,
+                     ws: Glm5NextKdaWorkspace, stream: int) -> None:
+        """Token `row` of the front end's rows through conv (+SiLU+L2) and the recurrent
+        step, rolling the conv state and updating the recurrent state in place."""
+        c, kn = self.cfg, self.kernels
+        cd = c.conv_dim * BF16.itemsize
+        kn.conv_decode(stream, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w,
+                       ws.conv_out + row * cd)
+        self._ws_stage(gpu, stream, ws, "conv_out", "conv_decode", row + 1, row)
+        kn.kda_recurrent(stream, ws.conv_out + row * cd,
+                         ws.gate + row * c.qkv * F32.itemsize,
+                         ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
+                         ws.core + row * c.qkv * F32.itemsize)
+        self._ws_stage(gpu, stream, ws, "core", "kda_recurrent", row + 1, row)
+        self._state_stage(gpu, stream, state, "kda_recurrent", f"[{row}]")
+
+    def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
+        """Gated RMSNorm and o_proj over t rows: ws.core -> ws.final_out [t, hidden] bf16."""
+        c = self.cfg
+        self._norm(gpu, t, ws, stream)
+        self.kernels.dense_gemv_bf16_batchm(stream, self.weights.o_proj, ws.o_norm_out,
+                                            ws.final_out, c.hidden_size, c.qkv, t)
+        self._ws_stage(gpu, stream, ws, "final_out", "dense_gemv_bf16", t)
+
+    # -- shared pieces ---------------------------------------------------------------------
+    def _lowrank_and_pack(self, gpu, t: int, t_pad: int, ws, stream, gemv: bool) -> None:
+        c, w, kn = self.cfg, self.weights, self.kernels
+        proj = ws.ptr("proj")
+        f_a = proj + c.conv_dim * BF16.itemsize
+        g_a = f_a + c.rank * BF16.itemsize
+        b_raw = g_a + c.rank * BF16.itemsize
+        for wt, x, y in ((w.f_b, f_a, ws.g_raw), (w.g_b, g_a, ws.out_gate)):
+            if gemv:
+                kn.dense_gemv_bf16_batchm(stream, wt, x, y, c.qkv, c.rank, t, ldx=c.proj_width)
+            else:
+                kn.gemm_bf16(stream, x, c.proj_width, wt, y, c.qkv, t, c.qkv, c.rank)
+        kernel = "dense_gemv_bf16" if gemv else "gemm_bf16"
+        self._ws_stage(gpu, stream, ws, "g_raw", kernel, t)
+        self._ws_stage(gpu, stream, ws, "out_gate", kernel, t)
+        kn.pack_qkv(stream, proj, ws.qkv_parts, ws.qkv_proj, t)
+        self._ws_stage(gpu, stream, ws, "qkv_parts", "pack_qkv", t)
+        self._ws_stage(gpu, stream, ws, "qkv_proj", "pack_qkv", t)
+        kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.proj_width, w.a_log, w.dt_bias, ws.gate,
+                         ws.beta, t, t_pad)
+        self._ws_stage(gpu, stream, ws, "gate", "kda_gate_beta", t)
+        self._ws_stage(gpu, stream, ws, "beta", "kda_gate_beta", t)
+
+    def _norm(self, gpu, t: int, ws, stream) -> None:
+        self.kernels.gated_rmsnorm(stream, ws.core, ws.out_gate, self.weights.o_norm,
+                                   ws.o_norm_out, t)
+        self._ws_stage(gpu, stream, ws, "o_norm_out", "gated_rmsnorm", t)
+
+    # -- public forward paths --------------------------------------------------------------
+    def decode(self, gpu: GpuBackend, hidden: DevicePtr, state: KdaSeqState,
+               ws: Glm5NextKdaWorkspace, stream: int) -> None:
+        """Single-token decode, carrying both states. The conv fuses SiLU and L2, so q/k
+        reach kda_recurrent already normalised (exactly the contract that kernel takes)."""
+        self.front_end(gpu, hidden, 1, ws, stream)
+        self.stateful_row(gpu, 0, state, ws, stream)
+        self.back_end(gpu, 1, ws, stream)
+
+    def decode_k(self, gpu: GpuBackend, hidden: DevicePtr, k: int, state: KdaSeqState,
+                 ws: Glm5NextKdaWorkspace, snapshots: Sequence[tuple[DevicePtr, DevicePtr]],
+                 stream: int) -> None:
+        """K tokens of one sequence (speculative verify): projections batched once over the
+        K rows, the recurrence walked one row at a time exactly as `decode` does, so the
+        result is bit-identical to K serial decodes. `snapshots[t] = (h_dst, conv_dst)`
+        receives the state after row t; pass k-1 of them or none."""
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_GEMV_ROWS:
+            raise KdaError(f"decode_k: k must be in [1, {MAX_GEMV_ROWS}], got {k!r}")
+        ws.check_tokens(k, "decode_k")
+        if len(snapshots) not in (0, k - 1):
+            raise KdaError(f"decode_k: pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
+        self.front_end(gpu, hidden, k, ws, stream)
+        for row in range(k):
+            self.stateful_row(gpu, row, state, ws, stream)
+            if row < len(snapshots):
+                h_dst, conv_dst = snapshots[row]
+                state.copy_to(h_dst, conv_dst, stream)
+        self.back_end(gpu, k, ws, stream)
+
+    def prefill(self, gpu: GpuBackend, hidden: DevicePtr, t: int, state: KdaSeqState,
+                ws: Glm5NextKdaWorkspace, stream: int) -> None:
+        """Chunked prefill over t tokens of hidden [t, hidden] bf16 from the carried state."""
+        self.prefill_with_pad_fill(gpu, hidden, t, state, ws, 0.0, stream)
+
+    def prefill_with_pad_fill(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
+                              state: KdaSeqState, ws: Glm5NextKdaWorkspace, pad_fill: float,
+                              stream: int) -> None:
+        """`prefill` with the padded q/k/v tails primed to `pad_fill`. The chunk kernels
+        guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
+        ws.check_tokens(t, "prefill")
+        c, w, kn = self.cfg, self.weights, self.kernels
+        t_pad = c.t_pad(t)
+        kn.gemm_bf16(stream, hidden, c.hidden_size, w.w_in, ws.ptr("proj"), c.proj_width, t,
+                     c.proj_rows, c.hidden_size)
+        self._lowrank_and_pack(gpu, t, t_pad, ws, stream, gemv=False)
+        kn.conv_prefill(stream, ws.qkv_proj, state.conv, w.conv_w, ws.conv_out, t)
+        kn.l2_norm_bf16(stream, ws.conv_out, t)
+        self._ws_stage(gpu, stream, ws, "conv_out", "l2_norm_bf16", t)
+        kn.widen_f32(stream, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, t_pad, pad_fill)
+        for name in ("q_f32", "k_f32", "v_f32"):
+            self._ws_stage(gpu, stream, ws, name, "widen_f32", t)
+        kn.kda_chunk(stream, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ws.ptr("chunk_g"),
+                     ws.ptr("chunk_w"), ws.ptr("chunk_u"), ws.ptr("chunk_aqk"), state.recurrent,
+                     ws.core, t, t_pad)
+        self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
+        self._state_stage(gpu, stream, state, "kda_chunk_inter")
+        self._norm(gpu, t, ws, stream)
+        kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,
+                     c.hidden_size, c.qkv)
+        self._ws_stage(gpu, stream, ws, "final_out", "gemm_bf16", t)
+
+
+def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, t: int,
+                     state: KdaSeqState, ws: Glm5NextKdaWorkspace, out: DevicePtr,
+                     stream: int) -> None:
+    """Prefill a sequence longer than the workspace in windows of `ws.max_tokens()` tokens,
+    carrying the state; every window's final_out is copied to out [t, hidden] bf16."""
+    if t < 1:
+        raise KdaError(f"prefill_windowed: token count must be positive, got {t}")
+    row = layer.cfg.hidden_size * BF16.itemsize
+    for start in range(0, t, ws.max_tokens()):
+        n = min(ws.max_tokens(), t - start)
+        layer.prefill(gpu, hidden + start * row, n, state, ws, stream)
+        gpu.copy_d2d(out + start * row, ws.final_out, n * row, stream)

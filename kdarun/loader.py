@@ -1,0 +1,52 @@
+"""The loader: binds checkpoint weights and compiled kernels into layer objects that
+share one workspace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .backend import GpuBackend, KdaError
+from .checkpoint import Checkpoint
+from .config import Glm5NextKdaConfig
+from .kernels import Glm5NextKdaKernels
+from .layer import Glm5NextKdaLayer
+from .weights import Glm5NextKdaWeights
+from .workspace import Glm5NextKdaWorkspace
+
+
+@dataclass
+class KdaStack:
+    """Every bound KDA layer of a checkpoint (keyed by 0-based layer_idx) and the one
+    workspace they share."""
+    cfg: Glm5NextKdaConfig
+    kernels: Glm5NextKdaKernels
+    workspace: Glm5NextKdaWorkspace
+    layers: dict[int, Glm5NextKdaLayer]
+    checkpoint: Checkpoint
+
+    def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
+        if layer_idx not in self.layers:
+            raise KdaError(f"layer {layer_idx} is not loaded; loaded KDA layers (0-based): "
+                           f"{sorted(self.layers)}")
+        return self.layers[layer_idx]
+
+
+def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
+               layers: Iterable[int] | None = None, stream: int = 0) -> KdaStack:
+    """Open the checkpoint at `path`, upload the KDA layers (all, or the 0-based `layers`)
+    and bind them with one kernel set and one workspace of `max_tokens` tokens."""
+    ckpt = Checkpoint(path)
+    cfg = ckpt.config
+    wanted = list(cfg.kda_layers if layers is None else layers)
+    for i in wanted:
+        if i not in cfg.kda_layers:
+            raise KdaError(f"layer {i} is not a KDA layer of {path} "
+                           f"(0-based KDA layers: {list(cfg.kda_layers)})")
+    kernels = Glm5NextKdaKernels(gpu, cfg)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, max_tokens)
+    bound = {i: Glm5NextKdaLayer(i, cfg, Glm5NextKdaWeights.upload(gpu, cfg,
+                                                                   ckpt.layer_tensors(i), stream),
+                                 kernels) for i in wanted}
+    return KdaStack(cfg, kernels, ws, bound, ckpt)

@@ -1,0 +1,66 @@
+"""KdaSeqState: the state one sequence carries between calls.
+
+The recurrent state is `[H, D_v, D_k]` fp32 (K contiguous, the layout vLLM and fla use,
+so states interchange with serving engines); the conv state is the last `W-1` rows of
+`qkv_proj`, `[W-1, conv_dim]` bf16, oldest first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend, KdaError
+from .config import Glm5NextKdaConfig
+from .workspace import BF16, F32
+
+
+def recurrent_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int, int]:
+    return (cfg.num_heads, cfg.head_dim, cfg.head_dim)
+
+
+def conv_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int]:
+    return (cfg.conv_kernel - 1, cfg.conv_dim)
+
+
+class KdaSeqState:
+    """Device buffers for one sequence's recurrent and conv state, zeroed on creation."""
+
+    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, stream: int = 0):
+        self.cfg = cfg
+        self._gpu = gpu
+        self.recurrent = gpu.alloc(self.recurrent_nbytes)
+        self.conv = gpu.alloc(self.conv_nbytes)
+        gpu.memset(self.recurrent, 0, self.recurrent_nbytes, stream)
+        gpu.memset(self.conv, 0, self.conv_nbytes, stream)
+
+    @property
+    def recurrent_nbytes(self) -> int:
+        return int(np.prod(recurrent_shape(self.cfg))) * F32.itemsize
+
+    @property
+    def conv_nbytes(self) -> int:
+        return int(np.prod(conv_shape(self.cfg))) * BF16.itemsize
+
+    def upload(self, recurrent: np.ndarray, conv: np.ndarray, stream: int = 0) -> None:
+        """Set both states from host arrays of exactly the state shapes and dtypes."""
+        for what, arr, shape, dtype in (("recurrent", recurrent, recurrent_shape(self.cfg), F32),
+                                        ("conv", conv, conv_shape(self.cfg), BF16)):
+            if arr.shape != shape or arr.dtype != dtype:
+                raise KdaError(f"state.upload: {what} must be {list(shape)} {dtype}, "
+                               f"got {list(arr.shape)} {arr.dtype}")
+        self._gpu.copy_h2d(self.recurrent, recurrent, stream)
+        self._gpu.copy_h2d(self.conv, conv, stream)
+
+    def download(self, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16); synchronises."""
+        return (self._gpu.download(self.recurrent, recurrent_shape(self.cfg), F32, stream),
+                self._gpu.download(self.conv, conv_shape(self.cfg), BF16, stream))
+
+    def copy_to(self, recurrent_dst: DevicePtr, conv_dst: DevicePtr, stream: int) -> None:
+        """Enqueue a device copy of both states (a snapshot)."""
+        self._gpu.copy_d2d(recurrent_dst, self.recurrent, self.recurrent_nbytes, stream)
+        self._gpu.copy_d2d(conv_dst, self.conv, self.conv_nbytes, stream)
+
+    def free(self) -> None:
+        self._gpu.free(self.recurrent)
+        self._gpu.free(self.conv)

@@ -1,0 +1,111 @@
+"""Seeded synthetic checkpoints in the HF Kimi Linear layout.
+
+Parameters are initialised the way Kimi Linear / fla initialise a fresh KDA block:
+linear layers N(0, 0.02), depthwise conv U(±1/sqrt(W)) (PyTorch's Conv1d default),
+`A = U(1, 16)` stored as `A_log`, `dt_bias` the inverse softplus of a log-uniform step in
+[1e-3, 0.1], and `o_norm` near one. The stack mixes KDA and full-attention layers 3:1
+like Kimi Linear; full-attention layers carry only placeholder tensors the reader skips.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from .checkpoint import TENSORS, tensor_name
+from .config import Glm5NextKdaConfig
+
+BF16 = ml_dtypes.bfloat16
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=256, num_heads=4, head_dim=64),
+    "kimi-linear-48b": dict(hidden_size=2304, num_heads=32, head_dim=128),
+    "large": dict(hidden_size=6144, num_heads=64, head_dim=128),
+}
+GATES = ("softplus", "bounded")
+DEFAULT_LAYERS = 45
+DEFAULT_LOWER_BOUND = -5.0
+
+
+def preset_config(preset: str, gate: str = "softplus", layers: int = DEFAULT_LAYERS,
+                  lower_bound: float = DEFAULT_LOWER_BOUND) -> Glm5NextKdaConfig:
+    """The config of a preset: every 4th layer (1-based) full attention, the rest KDA."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
+    full = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
+    kda = tuple(i for i in range(layers) if i not in full)
+    return Glm5NextKdaConfig(**PRESETS[preset], conv_kernel=4, rms_norm_eps=1e-5,
+                             gate_lower_bound=lower_bound if gate == "bounded" else None,
+                             num_hidden_layers=layers, kda_layers=kda, full_attn_layers=full)
+
+
+def synth_layer_tensors(cfg: Glm5NextKdaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """One KDA layer's tensors, keyed by short name, in checkpoint shapes and dtypes."""
+    def linear(out_f: int, in_f: int) -> np.ndarray:
+        return (rng.standard_normal((out_f, in_f), dtype=np.float32) * 0.02).astype(BF16)
+
+    bound = cfg.conv_kernel ** -0.5
+    dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), cfg.qkv)).clip(1e-4)
+    t = {
+        "q_proj.weight": linear(cfg.qkv, cfg.hidden_size),
+        "k_proj.weight": linear(cfg.qkv, cfg.hidden_size),
+        "v_proj.weight": linear(cfg.qkv, cfg.hidden_size),
+        "A_log": np.log(rng.uniform(1, 16, (1, 1, cfg.num_heads, 1))).astype(np.float32),
+        "dt_bias": (dt + np.log(-np.expm1(-dt))).astype(np.float32),
+        "f_a_proj.weight": linear(cfg.rank, cfg.hidden_size),
+        "f_b_proj.weight": linear(cfg.qkv, cfg.rank),
+        "b_proj.weight": linear(cfg.num_heads, cfg.hidden_size),
+        "g_a_proj.weight": linear(cfg.rank, cfg.hidden_size),
+        "g_b_proj.weight": linear(cfg.qkv, cfg.rank),
+        "o_norm.weight": (1 + 0.1 * rng.standard_normal(cfg.head_dim)).astype(np.float32),
+        "o_proj.weight": linear(cfg.hidden_size, cfg.qkv),
+    }
+    for p in "qkv":
+        t[f"{p}_conv1d.weight"] = rng.uniform(-bound, bound, (cfg.qkv, 1, cfg.conv_kernel)
+                                              ).astype(BF16)
+    assert set(t) == {s.name for s in TENSORS}
+    return t
+
+
+def write_checkpoint(out: str | Path, cfg: Glm5NextKdaConfig, seed: int = 0,
+                     shards: int = 1) -> Path:
+    """Write `config.json` and the weights of every layer of `cfg` under `out`.
+
+    With `shards > 1` the layers are spread over that many files plus
+    `model.safetensors.index.json`, as large HF checkpoints are.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    rng = np.random.default_rng(seed)
+    per_shard: list[dict[str, np.ndarray]] = [{} for _ in range(shards)]
+    for i in range(cfg.num_hidden_layers):
+        part = per_shard[i * shards // cfg.num_hidden_layers]
+        part[f"model.layers.{i}.input_layernorm.weight"] = np.ones(cfg.hidden_size, BF16)
+        if i in cfg.kda_layers:
+            for short, arr in synth_layer_tensors(cfg, rng).items():
+                part[tensor_name(i, short)] = arr
+        else:  # a full-attention (MLA) layer: present, and not ours to read
+            part[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"] = np.ones(8, BF16)
+    if shards == 1:
+        save_file(per_shard[0], str(out / "model.safetensors"))
+        return out
+    weight_map = {}
+    for s, part in enumerate(per_shard):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(out / fname))
+        weight_map.update({k: fname for k in part})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return out
+
+
+def demo_config(gate: str = "softplus") -> Glm5NextKdaConfig:
+    """The built-in demo: the tiny preset with a short 4-layer stack."""
+    return preset_config("tiny", gate, layers=4)

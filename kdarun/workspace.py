@@ -1,0 +1,143 @@
+"""Glm5NextKdaWorkspace: the forward path's scratch, sized once for `max_tokens`.
+
+`BUFFERS` is the single table of every buffer's shape (as a function of the config,
+the run's token count `t` and its padded count `t_pad`) and dtype. The 13 public fields
+mirror the seed; the private ones hold the packed projection and the chunk core's
+intermediates. One workspace is shared by every layer of a stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend, KdaError
+from .config import CHUNK, Glm5NextKdaConfig
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+
+Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: Shape  # (cfg, t, t_pad) -> shape of the rows a run of t tokens uses
+    dtype: np.dtype
+    public: bool
+    doc: str
+
+
+BUFFERS: tuple[BufferSpec, ...] = (
+    BufferSpec("qkv_parts", lambda c, t, tp: (3, t, c.qkv), BF16, True,
+               "q, k and v projection outputs, before the pack"),
+    BufferSpec("qkv_proj", lambda c, t, tp: (t, c.conv_dim), BF16, True,
+               "q|k|v per token, before the conv"),
+    BufferSpec("conv_out", lambda c, t, tp: (t, c.conv_dim), BF16, True,
+               "after conv + SiLU, q|k L2-normalised"),
+    BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "q widened, tail = pad_fill"),
+    BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "k widened, tail = pad_fill"),
+    BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "v widened, tail = pad_fill"),
+    BufferSpec("gate", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, True,
+               "log-decay from kda_gate, <= 0"),
+    BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "sigmoid(b_proj(h))"),
+    BufferSpec("core", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, True,
+               "KDA core output, before o_norm"),
+    BufferSpec("g_raw", lambda c, t, tp: (t, c.qkv), BF16, True, "f_b(f_a(h)), the gate input"),
+    BufferSpec("out_gate", lambda c, t, tp: (t, c.qkv), BF16, True, "g_b(g_a(h))"),
+    BufferSpec("o_norm_out", lambda c, t, tp: (t, c.qkv), BF16, True,
+               "after the sigmoid-gated RMSNorm"),
+    BufferSpec("final_out", lambda c, t, tp: (t, c.hidden_size), BF16, True, "the block output"),
+    # private scratch
+    BufferSpec("proj", lambda c, t, tp: (t, c.proj_width), BF16, False,
+               "packed input projection q|k|v|f_a|g_a|b"),
+    BufferSpec("chunk_g", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
+               "in-chunk cumulative log-decay"),
+    BufferSpec("chunk_w", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
+               "WY: (I + bA)^-1 b (K * Gamma)"),
+    BufferSpec("chunk_u", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
+               "WY: (I + bA)^-1 b V"),
+    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), F32, False,
+               "in-chunk decayed q.k products, causal"),
+)
+SPEC = {b.name: b for b in BUFFERS}
+PUBLIC = tuple(b.name for b in BUFFERS if b.public)
+
+
+class Glm5NextKdaWorkspace:
+    """Device scratch for runs of up to `max_tokens` tokens.
+
+    Attributes named as in `BUFFERS` are `DevicePtr`s; `shape(name, t)` gives the shape
+    a run of `t` tokens uses (row-major at the start of the buffer).
+    """
+
+    qkv_parts: DevicePtr
+    qkv_proj: DevicePtr
+    conv_out: DevicePtr
+    q_f32: DevicePtr
+    k_f32: DevicePtr
+    v_f32: DevicePtr
+    gate: DevicePtr
+    beta: DevicePtr
+    core: DevicePtr
+    g_raw: DevicePtr
+    out_gate: DevicePtr
+    o_norm_out: DevicePtr
+    final_out: DevicePtr
+
+    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, max_tokens: int):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise KdaError(f"workspace: max_tokens must be a positive integer, got {max_tokens!r}")
+        self.cfg = cfg
+        self._max_tokens = max_tokens
+        self._t_pad = cfg.t_pad(max_tokens)
+        self._gpu = gpu
+        self._ptrs: dict[str, DevicePtr] = {}
+        for spec in BUFFERS:
+            ptr = gpu.alloc(self.nbytes(spec.name, max_tokens))
+            self._ptrs[spec.name] = ptr
+            setattr(self, spec.name, ptr)
+
+    def max_tokens(self) -> int:
+        return self._max_tokens
+
+    def t_pad(self) -> int:
+        """The padded length of a `max_tokens` run: the prefill buffers' row count."""
+        return self._t_pad
+
+    def shape(self, name: str, t: int) -> tuple[int, ...]:
+        return SPEC[name].shape(self.cfg, t, self.cfg.t_pad(t))
+
+    def nbytes(self, name: str, t: int) -> int:
+        return int(np.prod(self.shape(name, t))) * SPEC[name].dtype.itemsize
+
+    def ptr(self, name: str) -> DevicePtr:
+        return self._ptrs[name]
+
+    def check_tokens(self, t: int, what: str) -> None:
+        if not isinstance(t, (int, np.integer)) or t < 1:
+            raise KdaError(f"{what}: token count must be a positive integer, got {t!r}")
+        if t > self._max_tokens:
+            raise KdaError(f"{what}: {t} tokens exceed the workspace's max_tokens "
+                           f"{self._max_tokens}; allocate a larger workspace or prefill in "
+                           "windows (kdarun.layer.prefill_windowed)")
+
+    def poison(self, stream: int) -> None:
+        """Fill every buffer with 0xFF bytes (NaN in bf16 and fp32) so unwritten
+        elements show."""
+        for spec in BUFFERS:
+            self._gpu.memset(self._ptrs[spec.name], 0xFF, self.nbytes(spec.name, self._max_tokens),
+                             stream)
+
+    def read(self, name: str, t: int, stream: int = 0) -> np.ndarray:
+        """Download the rows buffer `name` holds for a run of `t` tokens (synchronises)."""
+        return self._gpu.download(self._ptrs[name], self.shape(name, t), SPEC[name].dtype, stream)
+
+    def free(self) -> None:
+        for ptr in self._ptrs.values():
+            self._gpu.free(ptr)
+        self._ptrs.clear()
