@@ -2,8 +2,10 @@
 
 Parameters are initialised the way Kimi Linear / fla initialise a fresh KDA block:
 linear layers N(0, 0.02), depthwise conv U(±1/sqrt(W)) (PyTorch's Conv1d default),
-`A = U(1, 16)` stored as `A_log`, `dt_bias` the inverse softplus of a log-uniform step in
-[1e-3, 0.1], and `o_norm` near one. The stack mixes KDA and full-attention layers 3:1
+`A = U(1, 16)` stored as `A_log`, and `o_norm` near one. `dt_bias` is chosen so that the
+per-step decay at g_raw = 0 spreads log-uniformly, as a trained model's does: for the
+softplus gate it is the inverse softplus of a step in [1e-3, 0.1] (fla's init); for the
+bounded gate it solves `lower_bound * sigmoid(A * dt_bias) = -r` for a rate r in [1e-3, 0.5]. The stack mixes KDA and full-attention layers 3:1
 like Kimi Linear; full-attention layers carry only placeholder tensors the reader skips.
 """
 
@@ -51,13 +53,19 @@ def synth_layer_tensors(cfg: Glm5NextKdaConfig, rng: np.random.Generator) -> dic
         return (rng.standard_normal((out_f, in_f), dtype=np.float32) * 0.02).astype(BF16)
 
     bound = cfg.conv_kernel ** -0.5
-    dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), cfg.qkv)).clip(1e-4)
+    a = rng.uniform(1, 16, (1, 1, cfg.num_heads, 1))
+    if cfg.gate_lower_bound is None:
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), cfg.qkv)).clip(1e-4)
+        dt_bias = dt + np.log(-np.expm1(-dt))
+    else:
+        r = np.exp(rng.uniform(np.log(1e-3), np.log(0.5), cfg.qkv)) / -cfg.gate_lower_bound
+        dt_bias = np.log(r / (1 - r)) / np.repeat(a.reshape(-1), cfg.head_dim)
     t = {
         "q_proj.weight": linear(cfg.qkv, cfg.hidden_size),
         "k_proj.weight": linear(cfg.qkv, cfg.hidden_size),
         "v_proj.weight": linear(cfg.qkv, cfg.hidden_size),
-        "A_log": np.log(rng.uniform(1, 16, (1, 1, cfg.num_heads, 1))).astype(np.float32),
-        "dt_bias": (dt + np.log(-np.expm1(-dt))).astype(np.float32),
+        "A_log": np.log(a).astype(np.float32),
+        "dt_bias": dt_bias.astype(np.float32),
         "f_a_proj.weight": linear(cfg.rank, cfg.hidden_size),
         "f_b_proj.weight": linear(cfg.qkv, cfg.rank),
         "b_proj.weight": linear(cfg.num_heads, cfg.hidden_size),

@@ -1,0 +1,181 @@
+"""The `kdarun` command line: layer-run, make-checkpoint, inspect."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import click
+
+from . import synthetic
+from .backend import KdaError, open_backend
+from .checkpoint import TENSORS, Checkpoint, tensor_name
+from .loader import load_stack
+from .run import (RunPlan, compare, random_hidden, read_hidden, reference_run, run_layer,
+                  write_output)
+
+E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
+
+
+def _fail(e: KdaError) -> None:
+    raise click.ClickException(str(e))
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+@click.group()
+def main() -> None:
+    """kdarun: run one Kimi Delta Attention block through hand-written CUDA kernels."""
+
+
+@main.command("layer-run")
+@click.argument("checkpoint", required=False, type=click.Path(file_okay=False))
+@click.option("--layer", "layer_idx", type=int, default=None,
+              help="0-based layer index in the stack (default: the first KDA layer).")
+@click.option("--tokens", type=int, default=None, help="Prefill tokens (default 100).")
+@click.option("--decode-steps", type=int, default=4, show_default=True,
+              help="Single-token decodes after the prefill.")
+@click.option("--k", "k", type=int, default=0, show_default=True,
+              help="Tokens of one decode_k (speculative verify) after the decodes.")
+@click.option("--backend", type=click.Choice(["auto", "cuda", "host"]), default="auto",
+              show_default=True)
+@click.option("--input", "input_path", type=click.Path(dir_okay=False, exists=True),
+              help="Hidden states [N, hidden] (.npy or .safetensors); default random.")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False),
+              help="Write final_out (and states, for .safetensors) here.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
+              seed, as_json) -> None:
+    """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
+
+    With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
+    with ExitStack() as stack_ctx:
+        try:
+            if checkpoint is None:
+                tmp = stack_ctx.enter_context(tempfile.TemporaryDirectory(prefix="kdarun-demo-"))
+                checkpoint = str(synthetic.write_checkpoint(tmp, synthetic.demo_config(), seed=0))
+                ckpt_label = "built-in demo (tiny preset, softplus gate)"
+            else:
+                ckpt_label = checkpoint
+            gpu = open_backend(backend, announce=not as_json)
+            ckpt = Checkpoint(checkpoint)
+            cfg = ckpt.config
+            layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
+            hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
+            if tokens is None:
+                tokens = hidden.shape[0] - decode_steps - k if hidden is not None else 100
+            plan = RunPlan(tokens, decode_steps, k)
+            plan.check()
+            if hidden is None:
+                hidden = random_hidden(plan.total, cfg.hidden_size, seed)
+            stack = load_stack(gpu, checkpoint, max(plan.prefill, plan.k, 1), [layer_idx])
+            result = run_layer(gpu, stack, layer_idx, hidden, plan)
+            ref = reference_run(stack, layer_idx, hidden[:plan.total])
+        except KdaError as e:
+            _fail(e)
+        out_err = compare(result.final_out, ref.stages["final_out"])
+        state_err = compare(result.recurrent_state, ref.recurrent_state)
+        ok = out_err.ok(E2E_TOL) and state_err.ok(E2E_TOL)
+        if output_path:
+            try:
+                write_output(output_path, result)
+            except KdaError as e:
+                _fail(e)
+    mode = " + ".join(f"{name} {n}" for name, n in (("prefill", plan.prefill),
+                                                    ("decode", plan.decode_steps),
+                                                    ("decode_k", plan.k)) if n)
+    if as_json:
+        click.echo(json.dumps({
+            "backend": gpu.name, "device": gpu.device_name, "checkpoint": ckpt_label,
+            "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
+            "wall_ms": result.wall_ms,
+            "final_out": vars(out_err), "recurrent_state": vars(state_err),
+            "tolerance": E2E_TOL, "ok": ok}, indent=2))
+    else:
+        wall = ", ".join(f"{p} {ms:.2f} ms" for p, ms in result.wall_ms.items())
+        click.echo("kdarun layer-run")
+        click.echo(_table([
+            ("backend", f"{gpu.name} ({gpu.device_name})"),
+            ("checkpoint", ckpt_label),
+            ("layer", f"{layer_idx} (0-based; {cfg.gate_form} gate, H={cfg.num_heads}, "
+                      f"D={cfg.head_dim}, hidden={cfg.hidden_size})"),
+            ("mode", mode),
+            ("tokens", str(plan.total)),
+            ("wall time", wall),
+            ("final_out vs float64", f"rel {out_err.rel:.3e}  max-abs {out_err.max_abs:.3e}"),
+            ("state vs float64", f"rel {state_err.rel:.3e}  max-abs {state_err.max_abs:.3e}"),
+            ("result", f"{'PASS' if ok else 'FAIL'} (tolerance rel < {E2E_TOL:g}, no NaN/Inf)"),
+        ]))
+    if not ok:
+        sys.exit(1)
+
+
+@main.command("make-checkpoint")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="tiny",
+              show_default=True)
+@click.option("--gate", type=click.Choice(synthetic.GATES), default="softplus", show_default=True)
+@click.option("--lower-bound", type=float, default=synthetic.DEFAULT_LOWER_BOUND,
+              show_default=True, help="gate_lower_bound of the bounded gate.")
+@click.option("--layers", type=int, default=synthetic.DEFAULT_LAYERS, show_default=True,
+              help="Layers in the stack (every 4th is full attention).")
+@click.option("--shards", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_checkpoint(out, preset, gate, lower_bound, layers, shards, seed) -> None:
+    """Write a seeded synthetic checkpoint in the HF Kimi Linear layout to OUT."""
+    try:
+        cfg = synthetic.preset_config(preset, gate, layers, lower_bound)
+    except (KdaError, ValueError) as e:
+        raise click.ClickException(str(e))
+    if shards < 1:
+        raise click.ClickException(f"--shards must be >= 1, got {shards}")
+    path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
+    click.echo(f"wrote {path}: preset {preset}, {gate} gate, {layers} layers "
+               f"({len(cfg.kda_layers)} KDA), {shards} shard(s)")
+
+
+@main.command("inspect")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+def inspect_cmd(checkpoint) -> None:
+    """Show a checkpoint's KDA config, layers and tensors, and any problems found."""
+    try:
+        ckpt = Checkpoint(checkpoint)
+    except KdaError as e:
+        _fail(e)
+    cfg = ckpt.config
+    click.echo(f"checkpoint {checkpoint}")
+    click.echo(_table([
+        ("hidden_size", str(cfg.hidden_size)),
+        ("heads x head_dim", f"{cfg.num_heads} x {cfg.head_dim} (qkv {cfg.qkv})"),
+        ("conv kernel", str(cfg.conv_kernel)),
+        ("gate", cfg.gate_form + ("" if cfg.gate_lower_bound is None
+                                  else f" (lower bound {cfg.gate_lower_bound})")),
+        ("rms_norm_eps", f"{cfg.rms_norm_eps:g}"),
+        ("layers", f"{cfg.num_hidden_layers}: {len(cfg.kda_layers)} KDA, "
+                   f"{len(cfg.full_attn_layers)} full attention"),
+        ("KDA layers (0-based)", ", ".join(map(str, cfg.kda_layers))),
+    ]))
+    first = cfg.kda_layers[0]
+    click.echo(f"tensors of layer {first} (every KDA layer has the same set):")
+    for spec in TENSORS:
+        name = tensor_name(first, spec.name)
+        where = ckpt.weight_map.get(name)
+        click.echo(f"  {name}  expected {list(spec.shapes(cfg)[0])} "
+                   f"{'/'.join(spec.dtypes)}  {'in ' + where.name if where else 'MISSING'}")
+    problems = ckpt.problems()
+    click.echo(f"problems: {len(problems) or 'none'}")
+    for p in problems:
+        click.echo(f"  - {p}")
+    if problems:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Single-layer runs: prefill, then decode steps, then one decode_k, timed and checked
+against the float64 reference. The CLI's `layer-run` is a thin shell over this."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from . import reference
+from .backend import GpuBackend, KdaError
+from .layer import StageHook
+from .loader import KdaStack
+from .state import KdaSeqState, conv_shape, recurrent_shape
+from .workspace import BF16
+
+BF = ml_dtypes.bfloat16
+
+
+@dataclass
+class RunPlan:
+    """Token counts of one run: `prefill` tokens, then `decode_steps` single decodes, then
+    one `decode_k` of `k` tokens (0 skips a phase)."""
+    prefill: int
+    decode_steps: int = 0
+    k: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode_steps + self.k
+
+    def check(self) -> None:
+        if min(self.prefill, self.decode_steps, self.k) < 0 or self.total < 1:
+            raise KdaError(f"run: token counts must be >= 0 with at least one token, got "
+                           f"prefill={self.prefill} decode_steps={self.decode_steps} k={self.k}")
+
+
+@dataclass
+class RunResult:
+    final_out: np.ndarray  # [N, hidden] bf16, every token's block output in order
+    recurrent_state: np.ndarray  # [H, Dv, Dk] fp32 after the run
+    conv_state: np.ndarray  # [W-1, conv_dim] bf16 after the run
+    wall_ms: dict[str, float] = field(default_factory=dict)  # phase -> milliseconds
+
+
+def random_hidden(n: int, hidden: int, seed: int) -> np.ndarray:
+    """[n, hidden] bf16 N(0, 1): the scale of an RMS-normalised residual stream."""
+    return np.random.default_rng(seed).standard_normal((n, hidden), dtype=np.float32).astype(BF)
+
+
+def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
+    """Read hidden states [N, hidden] from .npy or .safetensors (tensor `hidden`, or the
+    only tensor), as bf16."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        arr = np.load(path)
+    elif path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:
+            raise KdaError(f"{path}: not a readable safetensors file ({e})") from None
+        if "hidden" in tensors:
+            arr = tensors["hidden"]
+        elif len(tensors) == 1:
+            arr = next(iter(tensors.values()))
+        else:
+            raise KdaError(f"{path}: expected a tensor named 'hidden', found {sorted(tensors)}")
+    else:
+        raise KdaError(f"{path}: input must be .npy or .safetensors")
+    if arr.ndim != 2 or arr.shape[1] != hidden:
+        raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
+    if arr.dtype not in (np.dtype(BF), np.float32, np.float16, np.float64):
+        raise KdaError(f"{path}: hidden states must be a float dtype, got {arr.dtype}")
+    return arr.astype(BF)
+
+
+def write_output(path: str | Path, result: RunResult) -> None:
+    """.safetensors keeps bf16 (`final_out`, plus both states); .npy holds final_out as fp32."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        np.save(path, result.final_out.astype(np.float32))
+    elif path.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+        save_file({"final_out": result.final_out, "recurrent_state": result.recurrent_state,
+                   "conv_state": result.conv_state}, str(path))
+    else:
+        raise KdaError(f"{path}: output must be .npy or .safetensors")
+
+
+def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarray,
+              plan: RunPlan, stream: int = 0, hook: StageHook | None = None) -> RunResult:
+    """Run `plan` through one layer from a zero state; hidden [>= plan.total, hidden] bf16."""
+    plan.check()
+    layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
+    if hidden.shape[0] < plan.total:
+        raise KdaError(f"run: {plan.total} tokens planned but only {hidden.shape[0]} hidden rows")
+    hidden = np.ascontiguousarray(hidden[:plan.total].astype(BF))
+    h_dev = gpu.upload(hidden, stream)
+    row = cfg.hidden_size * BF16.itemsize
+    state = KdaSeqState(gpu, cfg, stream)
+    outs: list[np.ndarray] = []
+    wall: dict[str, float] = {}
+    layer.stage_hook = hook
+    try:
+        def timed(phase: str, fn, n_out: int) -> None:
+            ws.poison(stream)
+            gpu.synchronize(stream)
+            t0 = time.perf_counter()
+            fn()
+            gpu.synchronize(stream)
+            wall[phase] = wall.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+            outs.append(ws.read("final_out", n_out, stream))
+
+        pos = 0
+        if plan.prefill:
+            timed("prefill", lambda: layer.prefill(gpu, h_dev, plan.prefill, state, ws, stream),
+                  plan.prefill)
+            pos = plan.prefill
+        for _ in range(plan.decode_steps):
+            p = pos
+            timed("decode", lambda: layer.decode(gpu, h_dev + p * row, state, ws, stream), 1)
+            pos += 1
+        if plan.k:
+            p = pos
+            timed("decode_k", lambda: layer.decode_k(gpu, h_dev + p * row, plan.k, state, ws, (),
+                                                     stream), plan.k)
+        rec, conv = state.download(stream)
+    finally:
+        layer.stage_hook = None
+        state.free()
+        gpu.free(h_dev)
+    return RunResult(np.concatenate(outs), rec, conv, wall)
+
+
+@dataclass
+class ErrorReport:
+    rel: float
+    max_abs: float
+    nonfinite: int
+
+    def ok(self, tol: float) -> bool:
+        return self.nonfinite == 0 and self.rel < tol
+
+
+def compare(out: np.ndarray, ref: np.ndarray) -> ErrorReport:
+    """rel = ||out - ref|| / ||ref|| and max |out - ref|; NaN/Inf never pass."""
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if o.shape != r.shape:
+        raise KdaError(f"compare: shape {list(o.shape)} vs reference {list(r.shape)}")
+    bad = int(np.count_nonzero(~np.isfinite(o)))
+    if bad:
+        return ErrorReport(float("nan"), float("nan"), bad)
+    d = o - r
+    denom = np.linalg.norm(r)
+    rel = float(np.linalg.norm(d) / denom) if denom > 0 else float(np.linalg.norm(d))
+    return ErrorReport(rel, float(np.abs(d).max(initial=0.0)), 0)
+
+
+def reference_run(stack: KdaStack, layer_idx: int, hidden: np.ndarray) -> reference.ReferenceRun:
+    """The float64 reference over the same tokens from a zero state."""
+    cfg = stack.cfg
+    tensors = stack.checkpoint.layer_tensors(layer_idx)
+    return reference.layer(cfg, tensors, hidden, np.zeros(recurrent_shape(cfg)),
+                           np.zeros(conv_shape(cfg)))

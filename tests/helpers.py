@@ -1,0 +1,70 @@
+"""Helpers shared by the CPU and GPU tests: a bound layer on any backend, error measures."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kdarun import KdaSeqState, reference
+from kdarun.loader import load_stack
+from kdarun.run import compare, random_hidden
+from kdarun.state import conv_shape, recurrent_shape
+from kdarun.workspace import BF16
+
+GATES = ("softplus", "bounded")
+
+
+class Env:
+    """One bound layer on one backend with helpers to run it and read results."""
+
+    def __init__(self, gpu, path: str, max_tokens: int, layer_idx: int = 1):
+        self.gpu = gpu
+        self.stack = load_stack(gpu, path, max_tokens, [layer_idx])
+        self.cfg = self.stack.cfg
+        self.layer = self.stack.layer(layer_idx)
+        self.ws = self.stack.workspace
+        self.tensors = self.stack.checkpoint.layer_tensors(layer_idx)
+        self.row = self.cfg.hidden_size * BF16.itemsize
+
+    def state(self, recurrent=None, conv=None) -> KdaSeqState:
+        s = KdaSeqState(self.gpu, self.cfg)
+        if recurrent is not None:
+            s.upload(recurrent.astype(np.float32), conv.astype(BF16))
+        return s
+
+    def warm_state(self, seed: int, tokens: int = 50):
+        """A realistic non-zero carried state: the host-free reference after a random
+        prefix, rounded to the state dtypes."""
+        h = random_hidden(tokens, self.cfg.hidden_size, seed)
+        r = self.ref(h)
+        return r.recurrent_state.astype(np.float32), r.conv_state.astype(BF16)
+
+    def ref(self, hidden, recurrent=None, conv=None, chunked=False):
+        recurrent = np.zeros(recurrent_shape(self.cfg)) if recurrent is None else recurrent
+        conv = np.zeros(conv_shape(self.cfg)) if conv is None else conv
+        return reference.layer(self.cfg, self.tensors, hidden, recurrent, conv, chunked)
+
+    def prefill(self, hidden, state, pad_fill=0.0):
+        h = self.gpu.upload(hidden)
+        self.ws.poison(0)
+        self.layer.prefill_with_pad_fill(self.gpu, h, hidden.shape[0], state, self.ws, pad_fill, 0)
+        out = self.ws.read("final_out", hidden.shape[0])
+        self.gpu.free(h)
+        return out
+
+    def decode(self, hidden_row, state):
+        h = self.gpu.upload(hidden_row.reshape(1, -1))
+        self.ws.poison(0)
+        self.layer.decode(self.gpu, h, state, self.ws, 0)
+        out = self.ws.read("final_out", 1)
+        self.gpu.free(h)
+        return out
+
+
+def rel(out, ref) -> float:
+    e = compare(out, ref)
+    assert e.nonfinite == 0, f"{e.nonfinite} non-finite values"
+    return e.rel
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)

@@ -1,0 +1,42 @@
+"""HostBackend memory model and open_backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdarun import DevicePtr, KdaError, open_backend
+from kdarun.backend import cuda_available
+
+
+def test_device_ptr_arithmetic():
+    p = DevicePtr(0x1000)
+    assert isinstance(p + 16, DevicePtr) and int(p + 16) == 0x1010
+    assert p.offset(4) == 0x1004 and not p.is_null and DevicePtr(0).is_null
+
+
+def test_host_memory_roundtrip_and_bounds(host):
+    a = np.random.default_rng(0).standard_normal(100).astype(np.float32)
+    p = host.upload(a)
+    assert int(p) % 256 == 0
+    assert np.array_equal(host.download(p, (100,), np.float32), a)
+    q = host.alloc(400)
+    host.copy_d2d(q, p + 40, 360, 0)
+    assert np.array_equal(host.download(q, (90,), np.float32), a[10:])
+    host.memset(q, 0xFF, 400, 0)
+    assert np.all(np.isnan(host.download(q, (100,), np.float32)))
+    with pytest.raises(KdaError, match="runs past its allocation"):
+        host.download(p + 8, (100,), np.float32)
+    host.free(p)
+    with pytest.raises(KdaError, match="not the start of a live allocation"):
+        host.free(p)
+
+
+def test_open_backend():
+    assert open_backend("host").name == "host"
+    with pytest.raises(KdaError, match="expected 'auto', 'cuda' or 'host'"):
+        open_backend("tpu")
+    if not cuda_available():
+        assert open_backend("auto", announce=False).name == "host"
+        with pytest.raises(KdaError, match="no usable CUDA device"):
+            open_backend("cuda")

@@ -1,0 +1,58 @@
+"""The command line: the demo run, checkpoint tools, inputs and outputs, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+from click.testing import CliRunner
+from safetensors.numpy import load_file, save_file
+
+from kdarun.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_layer_run_demo_with_no_arguments():
+    r = run("layer-run")
+    assert r.exit_code == 0, r.output
+    assert "host (CPU (NumPy))" in r.output and "PASS" in r.output
+    r = run("layer-run", "--tokens", "5", "--decode-steps", "2", "--k", "3", "--json")
+    res = json.loads(r.output)
+    assert res["ok"] and res["tokens"] == 10 and res["final_out"]["rel"] < 1e-2
+    assert set(res["wall_ms"]) == {"prefill", "decode", "decode_k"}
+
+
+def test_make_checkpoint_inspect_and_run(tmp_path):
+    ck = tmp_path / "ck"
+    r = run("make-checkpoint", str(ck), "--preset", "tiny", "--gate", "bounded", "--layers", "8",
+            "--shards", "2")
+    assert r.exit_code == 0 and "6 KDA" in r.output
+    r = run("inspect", str(ck))
+    assert r.exit_code == 0 and "bounded (lower bound -5.0)" in r.output
+    assert "problems: none" in r.output and "0, 1, 2, 4, 5, 6" in r.output
+    h = np.random.default_rng(0).standard_normal((12, 256)).astype(ml_dtypes.bfloat16)
+    save_file({"hidden": h}, str(tmp_path / "h.safetensors"))
+    out = tmp_path / "o.safetensors"
+    r = run("layer-run", str(ck), "--layer", "5", "--input", str(tmp_path / "h.safetensors"),
+            "--decode-steps", "2", "--output", str(out), "--backend", "host")
+    assert r.exit_code == 0, r.output
+    assert "prefill 10 + decode 2" in r.output
+    got = load_file(str(out))
+    assert got["final_out"].shape == (12, 256) and got["final_out"].dtype == ml_dtypes.bfloat16
+    assert np.all(np.isfinite(got["final_out"].astype(np.float32)))
+
+
+def test_clear_errors(tmp_path):
+    r = run("layer-run", str(tmp_path))
+    assert r.exit_code != 0 and "config not found" in r.output and "Traceback" not in r.output
+    r = run("layer-run", "--layer", "3")
+    assert r.exit_code != 0 and "layer 3 is not a KDA layer" in r.output
+    np.save(tmp_path / "bad.npy", np.zeros((4, 100), np.float32))
+    r = run("layer-run", "--input", str(tmp_path / "bad.npy"))
+    assert r.exit_code != 0 and "must be [N, 256], got [4, 100]" in r.output
+    r = run("layer-run", "--tokens", "0", "--decode-steps", "0")
+    assert r.exit_code != 0 and "at least one token" in r.output
