@@ -12,7 +12,7 @@ import abc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -37,6 +37,10 @@ class DevicePtr(int):
 
     def __repr__(self) -> str:
         return f"DevicePtr(0x{int(self):x})"
+
+
+class Graph(Protocol):
+    def replay(self, stream: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,12 @@ class GpuBackend(abc.ABC):
                   m: int, n: int, k: int, stream: int) -> None:
         """`c[m, n] = bf16(a[m, k] @ w[n, k]^T)`, bf16 operands, fp32 accumulation;
         `lda`/`ldc` are row strides in elements, `w` is dense `[n, k]`."""
+
+    @abc.abstractmethod
+    def capture(self, fn: Callable[[], None], stream: int) -> "Graph":
+        """Record the work `fn` enqueues on `stream` (a created stream, not the legacy
+        default) as a graph to `replay` later; nothing runs during capture on CUDA. Every
+        buffer must exist beforehand and every kernel must have been launched once."""
 
     # -- helpers shared by both backends ------------------------------------------------------
     @property

@@ -57,6 +57,15 @@ def tensor_name(layer_idx: int, short: str) -> str:
     return PREFIX.format(i=layer_idx) + short
 
 
+def canonical(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoint shapes -> the shapes the runtime uses: `A_log` [H], conv weights [qkv, W]."""
+    out = dict(tensors)
+    out["A_log"] = out["A_log"].reshape(cfg.num_heads)
+    for p in "qkv":
+        out[f"{p}_conv1d.weight"] = out[f"{p}_conv1d.weight"].reshape(cfg.qkv, cfg.conv_kernel)
+    return out
+
+
 class Checkpoint:
     """An opened checkpoint directory: its config and a lazy per-layer tensor reader."""
 
@@ -116,10 +125,7 @@ class Checkpoint:
                     if name not in keys:
                         raise KdaError(f"{file}: missing tensor {name} (the index points here)")
                     out[spec.name] = self._read_checked(f, file, name, spec)
-        out["A_log"] = out["A_log"].reshape(cfg.num_heads)
-        for p in "qkv":
-            out[f"{p}_conv1d.weight"] = out[f"{p}_conv1d.weight"].reshape(cfg.qkv, cfg.conv_kernel)
-        return out
+        return canonical(cfg, out)
 
     def _read_checked(self, f, file: Path, name: str, spec: TensorSpec) -> np.ndarray:
         sl = f.get_slice(name)

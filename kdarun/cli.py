@@ -177,5 +177,54 @@ def inspect_cmd(checkpoint) -> None:
         sys.exit(1)
 
 
+@main.command("bench")
+@click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="kimi-linear-48b",
+              show_default=True)
+@click.option("--mode", type=click.Choice(["decode", "decode-k", "prefill"]), default="decode",
+              show_default=True)
+@click.option("--k", "k", type=int, default=4, show_default=True, help="Rows of decode-k.")
+@click.option("--graph/--eager", default=True, show_default=True,
+              help="Time CUDA-graph replays or eager calls (decode modes).")
+@click.option("--tokens", default="64,1024,4096,16384", show_default=True,
+              help="Prefill lengths, comma-separated.")
+@click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
+              help="Also time fla's KimiDeltaAttention where it is importable.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_cmd(preset, mode, k, graph, tokens, with_fla, as_json) -> None:
+    """Time decode, decode_k or prefill on random weights and inputs (CUDA only)."""
+    from . import bench
+    try:
+        gpu = open_backend("cuda", announce=False)
+    except KdaError as e:
+        _fail(e)
+    stream = gpu.create_stream()
+    ceil = bench.measure_ceilings(gpu, stream)
+    use_fla = with_fla and bench.fla_available()
+    rows: list[dict] = []
+    if mode == "prefill":
+        try:
+            ts = [int(x) for x in tokens.split(",")]
+        except ValueError:
+            raise click.ClickException(f"--tokens must be comma-separated integers, got {tokens!r}")
+        res = bench.bench_prefill(gpu, preset, ts, stream)
+        fla = bench.fla_prefill_ms(preset, ts) if use_fla else [(None, None)] * len(ts)
+        for r, (f_ms, f_core) in zip(res, fla):
+            r.fla_ms, r.fla_core_ms = f_ms, f_core
+            rows.append(vars(r) | {"vs_fla": f_ms / r.ms if f_ms else None})
+    else:
+        kk = 1 if mode == "decode" else k
+        r = bench.bench_decode(gpu, preset, kk, graph, ceil, stream)
+        if use_fla and mode == "decode":
+            r.fla_us = bench.fla_decode_us(preset, graph)
+        rows.append(vars(r) | {"vs_fla": r.fla_us / r.us if r.fla_us else None})
+    if as_json:
+        click.echo(json.dumps({"device": gpu.device_name, "ceilings": vars(ceil), "rows": rows},
+                              indent=2))
+        return
+    click.echo(f"{gpu.device_name}: copy {ceil.copy_gbps:.0f} GB/s, bf16 GEMM "
+               f"{ceil.gemm_tflops:.0f} TFLOP/s (measured in this run)")
+    click.echo(bench.results_table(rows))
+
+
 if __name__ == "__main__":
     main()

@@ -108,6 +108,9 @@ class HostBackend(GpuBackend):
     def elapsed_ms(self, start: list[float], end: list[float]) -> float:
         return (end[0] - start[0]) * 1e3
 
+    def capture(self, fn, stream: int) -> "_HostGraph":
+        return _HostGraph(fn)
+
     # -- kernels ---------------------------------------------------------------------------
     def load_module(self, family: str) -> dict:
         from .host_kernels import HOST_KERNELS
@@ -128,3 +131,13 @@ class HostBackend(GpuBackend):
         cv = self.view(c, (m - 1) * ldc + n, bf16)
         cv = np.lib.stride_tricks.as_strided(cv, (m, n), (ldc * 2, 2))
         cv[...] = (av.astype(np.float32) @ wv.astype(np.float32).T).astype(bf16)
+
+
+class _HostGraph:
+    """Replaying re-runs the recorded calls: on the host, work runs at enqueue time."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def replay(self, stream: int) -> None:
+        self._fn()

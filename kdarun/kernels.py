@@ -16,6 +16,7 @@ FAMILIES = ("gemv", "pack", "conv", "gate", "recurrent", "chunk", "norm")
 MAX_GEMV_ROWS = 8  # rows one dense_gemv_bf16 launch serves (decode_k's K at most)
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
+CHUNK_VS = 32  # state columns one kda_chunk_inter block carries (VS in chunk.cu)
 i32, f32 = np.int32, np.float32
 
 
@@ -145,13 +146,15 @@ class Glm5NextKdaKernels:
         g_cum, w, u and aqk in parallel; `kda_chunk_inter` walks the chunks carrying
         state [H, Dv, Dk] and writes core [t_pad, H, D]. Rows >= t are never read."""
         c = self.cfg
-        n_chunks = t_pad // CHUNK
+        D, n_chunks = c.head_dim, t_pad // CHUNK
         common = (i32(t), i32(t_pad), i32(c.num_heads), f32(c.scale))
-        self._launch("chunk", f"kda_chunk_intra_d{c.head_dim}",
-                     LaunchConfig((n_chunks, c.num_heads, 1), (THREADS, 1, 1), 0),
+        intra_smem = 4 * (3 * CHUNK * (D + 1) + CHUNK * (CHUNK + 1) + CHUNK)
+        self._launch("chunk", f"kda_chunk_intra_d{D}",
+                     LaunchConfig((n_chunks, c.num_heads, 1), (THREADS, 1, 1), intra_smem),
                      (q, k, v, gate, beta, g_cum, w, u, aqk) + common, stream)
-        self._launch("chunk", f"kda_chunk_inter_d{c.head_dim}",
-                     LaunchConfig((c.num_heads, 1, 1), (THREADS, 1, 1), 0),
+        inter_smem = 4 * (3 * CHUNK * D + CHUNK * CHUNK + CHUNK * CHUNK_VS + D * CHUNK_VS + D)
+        self._launch("chunk", f"kda_chunk_inter_d{D}",
+                     LaunchConfig((c.num_heads, D // CHUNK_VS, 1), (THREADS, 1, 1), inter_smem),
                      (q, k, g_cum, w, u, aqk, state, core) + common, stream)
 
     # -- output ----------------------------------------------------------------------------

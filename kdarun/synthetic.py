@@ -5,7 +5,8 @@ linear layers N(0, 0.02), depthwise conv U(±1/sqrt(W)) (PyTorch's Conv1d defaul
 `A = U(1, 16)` stored as `A_log`, and `o_norm` near one. `dt_bias` is chosen so that the
 per-step decay at g_raw = 0 spreads log-uniformly, as a trained model's does: for the
 softplus gate it is the inverse softplus of a step in [1e-3, 0.1] (fla's init); for the
-bounded gate it solves `lower_bound * sigmoid(A * dt_bias) = -r` for a rate r in [1e-3, 0.5]. The stack mixes KDA and full-attention layers 3:1
+bounded gate it solves `lower_bound * sigmoid(A * dt_bias) = -r` for a rate r in
+[2e-4, 0.1] * |lower_bound| (1e-3 to 0.5 at lower_bound -5). The stack mixes KDA and full-attention layers 3:1
 like Kimi Linear; full-attention layers carry only placeholder tensors the reader skips.
 """
 
@@ -58,8 +59,8 @@ def synth_layer_tensors(cfg: Glm5NextKdaConfig, rng: np.random.Generator) -> dic
         dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), cfg.qkv)).clip(1e-4)
         dt_bias = dt + np.log(-np.expm1(-dt))
     else:
-        r = np.exp(rng.uniform(np.log(1e-3), np.log(0.5), cfg.qkv)) / -cfg.gate_lower_bound
-        dt_bias = np.log(r / (1 - r)) / np.repeat(a.reshape(-1), cfg.head_dim)
+        f = np.exp(rng.uniform(np.log(2e-4), np.log(0.1), cfg.qkv))  # rate / |lower_bound|
+        dt_bias = np.log(f / (1 - f)) / np.repeat(a.reshape(-1), cfg.head_dim)
     t = {
         "q_proj.weight": linear(cfg.qkv, cfg.hidden_size),
         "k_proj.weight": linear(cfg.qkv, cfg.hidden_size),

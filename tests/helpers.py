@@ -12,6 +12,14 @@ from kdarun.workspace import BF16
 
 GATES = ("softplus", "bounded")
 
+# End to end, bf16 rounding at ~8 points compounds to <= 7.0e-3 (measured on the host: T 1..200,
+# both gates, zero and warm states); the tolerances leave ~1.7x headroom.
+E2E_TOL = 1.2e-2
+STATE_TOL = 8e-3  # measured <= 4.0e-3
+# Stage-local: each stage fed the buffers the previous kernel actually wrote.
+BF16_OUT_TOL = 3e-3  # one bf16 rounding of the output: measured <= 1.8e-3
+FP32_TOL = 1e-4  # fp32 arithmetic only
+
 
 class Env:
     """One bound layer on one backend with helpers to run it and read results."""

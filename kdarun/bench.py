@@ -1,0 +1,306 @@
+"""Benchmarks: CUDA events, warm-up, medians, random data, and the ratio to ceilings
+measured in the same run (copy bandwidth, bf16 GEMM rate) and to fla where importable.
+
+Decode walks a stack of `DECODE_LAYERS` distinct layers per step, as a real decode does, so
+the weights stream from HBM instead of sitting in L2 between calls.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import synthetic
+from .backend import GpuBackend, KdaError
+from .checkpoint import canonical
+from .config import Glm5NextKdaConfig
+from .kernels import Glm5NextKdaKernels
+from .layer import Glm5NextKdaLayer
+from .run import random_hidden
+from .state import KdaSeqState, recurrent_shape
+from .weights import Glm5NextKdaWeights
+from .workspace import BF16, F32, Glm5NextKdaWorkspace
+
+DECODE_LAYERS = 4
+FLA_CACHE_TOKENS = 16
+
+
+def median_ms(gpu: GpuBackend, fn: Callable[[], None], stream: int, reps: int,
+              warmup: int = 5) -> float:
+    """Median over `reps` of the device time of `fn`, each bracketed by events."""
+    for _ in range(warmup):
+        fn()
+    gpu.synchronize(stream)
+    times = []
+    for _ in range(reps):
+        a, b = gpu.create_event(), gpu.create_event()
+        gpu.record_event(a, stream)
+        fn()
+        gpu.record_event(b, stream)
+        times.append(gpu.elapsed_ms(a, b))
+    return statistics.median(times)
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
+    gemm_tflops: float  # bf16 GEMM through gemm_bf16, 8192^3
+
+
+def measure_ceilings(gpu: GpuBackend, stream: int) -> Ceilings:
+    n = 1 << 30
+    a, b = gpu.alloc(n), gpu.alloc(n)
+    gpu.memset(a, 0x3C, n, stream)
+    ms = median_ms(gpu, lambda: gpu.copy_d2d(b, a, n, stream), stream, 30)
+    gpu.free(a), gpu.free(b)
+    s = 8192
+    rng = np.random.default_rng(0)
+    x = gpu.upload(rng.standard_normal((s, s), dtype=np.float32).astype(BF16), stream)
+    w = gpu.upload(rng.standard_normal((s, s), dtype=np.float32).astype(BF16), stream)
+    c = gpu.alloc(s * s * 2)
+    gms = median_ms(gpu, lambda: gpu.gemm_bf16(x, s, w, c, s, s, s, s, stream), stream, 20)
+    for p in (x, w, c):
+        gpu.free(p)
+    return Ceilings(2 * n / ms / 1e6, 2 * s ** 3 / gms / 1e9)
+
+
+def _bound_layers(gpu: GpuBackend, cfg: Glm5NextKdaConfig, n: int, seed: int, stream: int):
+    kernels = Glm5NextKdaKernels(gpu, cfg)
+    rng = np.random.default_rng(seed)
+    return [Glm5NextKdaLayer(i, cfg, Glm5NextKdaWeights.upload(
+        gpu, cfg, canonical(cfg, synthetic.synth_layer_tensors(cfg, rng)), stream), kernels)
+        for i in range(n)]
+
+
+def _random_state(gpu, cfg, rng, stream) -> KdaSeqState:
+    s = KdaSeqState(gpu, cfg, stream)
+    s.upload((rng.standard_normal(recurrent_shape(cfg), dtype=np.float32) * 0.05),
+             rng.standard_normal((cfg.conv_kernel - 1, cfg.conv_dim), dtype=np.float32).astype(BF16),
+             stream)
+    return s
+
+
+@dataclass
+class DecodeResult:
+    preset: str
+    mode: str  # decode | decode-k
+    k: int
+    graph: bool
+    us: float  # per layer call
+    bytes: int  # per layer call: weights once + state read/written per row
+    gbps: float
+    frac_copy: float  # of the copy bandwidth measured in the same run
+    fla_us: float | None = None
+
+
+def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int) -> int:
+    """Fewest bytes one layer call must move: every weight once, and per row the recurrent
+    and conv state read and written plus its hidden row in and out."""
+    state = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
+    conv = (cfg.conv_kernel - 1) * cfg.conv_dim * BF16.itemsize
+    io = 2 * cfg.hidden_size * BF16.itemsize
+    return weights.nbytes + k * (2 * state + 2 * conv + io)
+
+
+def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilings,
+                 stream: int, reps: int = 200, gate: str = "softplus") -> DecodeResult:
+    cfg = synthetic.preset_config(preset, gate)
+    layers = _bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, max(k, 1))
+    rng = np.random.default_rng(2)
+    states = [_random_state(gpu, cfg, rng, stream) for _ in layers]
+    h = gpu.upload(random_hidden(k, cfg.hidden_size, 3), stream)
+
+    def step() -> None:
+        for layer, st in zip(layers, states):
+            if k == 1:
+                layer.decode(gpu, h, st, ws, stream)
+            else:
+                layer.decode_k(gpu, h, k, st, ws, (), stream)
+
+    step()
+    if graph:
+        g = gpu.capture(step, stream)
+        fn = lambda: g.replay(stream)  # noqa: E731
+    else:
+        fn = step
+    us = median_ms(gpu, fn, stream, reps) * 1e3 / DECODE_LAYERS
+    nbytes = decode_bytes(cfg, layers[0].weights, k)
+    gbps = nbytes / us / 1e3
+    for layer in layers:
+        layer.weights.free(gpu)
+    for st in states:
+        st.free()
+    ws.free()
+    gpu.free(h)
+    return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us, nbytes, gbps,
+                        gbps / ceil.copy_gbps)
+
+
+@dataclass
+class PrefillResult:
+    preset: str
+    tokens: int
+    ms: float
+    core_ms: float
+    tokens_per_s: float
+    tflops: float  # projection GEMMs only, over the whole layer time
+    fla_ms: float | None = None
+    fla_core_ms: float | None = None
+
+
+def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
+    return 2 * t * (cfg.hidden_size * cfg.proj_rows + 2 * cfg.rank * cfg.qkv
+                    + cfg.qkv * cfg.hidden_size)
+
+
+def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
+                  gate: str = "bounded") -> list[PrefillResult]:
+    cfg = synthetic.preset_config(preset, gate)
+    (layer,) = _bound_layers(gpu, cfg, 1, 5, stream)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, max(tokens))
+    rng = np.random.default_rng(6)
+    state = _random_state(gpu, cfg, rng, stream)
+    h = gpu.upload(random_hidden(max(tokens), cfg.hidden_size, 7), stream)
+    out = []
+    for t in tokens:
+        reps = 30 if t <= 4096 else 10
+        ms = median_ms(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream), stream, reps, 3)
+        tp = cfg.t_pad(t)
+        kn = layer.kernels
+        core = median_ms(gpu, lambda: kn.kda_chunk(
+            stream, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ws.ptr("chunk_g"),
+            ws.ptr("chunk_w"), ws.ptr("chunk_u"), ws.ptr("chunk_aqk"), state.recurrent, ws.core,
+            t, tp), stream, reps, 3)
+        out.append(PrefillResult(preset, t, ms, core, t / ms * 1e3,
+                                 prefill_flops(cfg, t) / ms / 1e9))
+    layer.weights.free(gpu)
+    state.free()
+    ws.free()
+    gpu.free(h)
+    return out
+
+
+# -- fla, measured in the same process where it is importable ----------------------------------
+def fla_available() -> bool:
+    try:
+        import fla.layers.kda  # noqa: F401
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _torch_median_ms(fn, reps: int, warmup: int = 5) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _fla_layers(cfg: Glm5NextKdaConfig, n: int):
+    import torch
+    from fla.layers.kda import KimiDeltaAttention
+    torch.manual_seed(0)
+    return [KimiDeltaAttention(hidden_size=cfg.hidden_size, head_dim=cfg.head_dim,
+                               num_heads=cfg.num_heads, conv_size=cfg.conv_kernel,
+                               lower_bound=cfg.gate_lower_bound, layer_idx=i,
+                               norm_eps=cfg.rms_norm_eps).to("cuda", torch.bfloat16).eval()
+            for i in range(n)]
+
+
+def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str = "softplus") -> float:
+    """fla KimiDeltaAttention decode (per layer), over the same DECODE_LAYERS-layer walk."""
+    import torch
+    from fla.models.cache_utils import FLACache
+    cfg = synthetic.preset_config(preset, gate)
+    layers = _fla_layers(cfg, DECODE_LAYERS)
+    cache = FLACache()
+    with torch.no_grad():
+        prompt = torch.randn(1, FLA_CACHE_TOKENS, cfg.hidden_size, device="cuda",
+                             dtype=torch.bfloat16)
+        for layer in layers:
+            layer(prompt, past_key_values=cache, use_cache=True)
+        x = torch.randn(1, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            for layer in layers:
+                layer(x, past_key_values=cache, use_cache=True)
+        if graph:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            fn = g.replay
+        else:
+            fn = step
+        return _torch_median_ms(fn, reps) * 1e3 / DECODE_LAYERS
+
+
+def fla_prefill_ms(preset: str, tokens: list[int], gate: str = "bounded") -> list[tuple[float, float]]:
+    """(layer forward ms, chunk_kda core ms) per T for fla on the same shapes."""
+    import torch
+    from fla.ops.kda import chunk_kda
+    cfg = synthetic.preset_config(preset, gate)
+    (layer,) = _fla_layers(cfg, 1)
+    out = []
+    H, D = cfg.num_heads, cfg.head_dim
+    with torch.no_grad():
+        for t in tokens:
+            reps = 30 if t <= 4096 else 10
+            x = torch.randn(1, t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            ms = _torch_median_ms(lambda: layer(x), reps, 3)
+            q, k, v, g = (torch.randn(1, t, H, D, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(4))
+            beta = torch.randn(1, t, H, device="cuda", dtype=torch.bfloat16)
+            s0 = torch.zeros(1, H, D, D, device="cuda", dtype=torch.float32)
+            kw = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, initial_state=s0,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      lower_bound=cfg.gate_lower_bound, safe_gate=cfg.gate_lower_bound is not None,
+                      state_v_first=True)
+            core = _torch_median_ms(lambda: chunk_kda(q, k, v, g, beta, **kw), reps, 3)
+            out.append((ms, core))
+    return out
+
+
+def results_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    cells = [[_fmt(r.get(k)) for k in keys] for r in rows]
+    w = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    lines = ["  ".join(k.ljust(w[i]) for i, k in enumerate(keys))]
+    lines += ["  ".join(c[i].ljust(w[i]) for i in range(len(keys))) for c in cells]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def require_cuda(gpu: GpuBackend) -> None:
+    if gpu.name != "cuda":
+        raise KdaError("bench: benchmarks time CUDA kernels; run on a machine with a GPU "
+                       "(--backend cuda)")

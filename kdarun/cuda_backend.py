@@ -1,0 +1,156 @@
+"""CupyBackend: the GpuBackend contract over CuPy raw pointers and RawModule kernels.
+
+Memory comes from CuPy's device allocator (plain cudaMalloc underneath) and is addressed by
+raw pointer; streams are raw `cudaStream_t` handles; kernels are the `kernels_cu/*.cu`
+sources compiled by NVRTC for this device. Prefill GEMMs go to cuBLAS on the caller's stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import cupy as cp
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig, kernels_dir
+
+_H2D, _D2H, _D2D = 1, 2, 3
+_CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP = 14, 68, 99
+_OP_N, _OP_T = 0, 1
+
+
+class CupyBackend(GpuBackend):
+    name = "cuda"
+
+    def __init__(self, device: int = 0):
+        self._device = cp.cuda.Device(device)
+        self._device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        self._mem: dict[int, Any] = {}
+        self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
+        self._functions: dict[tuple[str, str], Any] = {}
+        self._smem_set: dict[tuple[str, str], int] = {}
+        self._alpha = np.ones(1, np.float32)
+        self._beta = np.zeros(1, np.float32)
+
+    @property
+    def device_name(self) -> str:
+        return self._name
+
+    def stream_obj(self, stream: int):
+        """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""
+        s = self._streams.get(int(stream))
+        if s is None:
+            s = cp.cuda.ExternalStream(int(stream))
+            self._streams[int(stream)] = s
+        return s
+
+    # -- memory --------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> DevicePtr:
+        if nbytes <= 0:
+            raise KdaError(f"alloc: nbytes must be positive, got {nbytes}")
+        mem = cp.cuda.alloc(nbytes)
+        self._mem[mem.ptr] = mem
+        return DevicePtr(mem.ptr)
+
+    def free(self, ptr: DevicePtr) -> None:
+        if self._mem.pop(int(ptr), None) is None:
+            raise KdaError(f"free: {ptr!r} is not the start of a live allocation")
+
+    def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None:
+        cp.cuda.runtime.memsetAsync(int(ptr), byte, nbytes, int(stream))
+
+    def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
+        src = np.ascontiguousarray(src)
+        cp.cuda.runtime.memcpyAsync(int(dst), src.ctypes.data, src.nbytes, _H2D, int(stream))
+
+    def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int) -> None:
+        if not dst.flags.c_contiguous:
+            raise KdaError("copy_d2h: destination must be C-contiguous")
+        cp.cuda.runtime.memcpyAsync(dst.ctypes.data, int(src), dst.nbytes, _D2H, int(stream))
+
+    def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int) -> None:
+        cp.cuda.runtime.memcpyAsync(int(dst), int(src), nbytes, _D2D, int(stream))
+
+    # -- streams and events ----------------------------------------------------------------
+    def create_stream(self) -> int:
+        s = cp.cuda.Stream(non_blocking=True)
+        self._streams[s.ptr] = s
+        return s.ptr
+
+    def destroy_stream(self, stream: int) -> None:
+        if stream:
+            self._streams.pop(int(stream), None)
+
+    def synchronize(self, stream: int) -> None:
+        cp.cuda.runtime.streamSynchronize(int(stream))
+
+    def create_event(self) -> Any:
+        return cp.cuda.Event()
+
+    def record_event(self, event: Any, stream: int) -> None:
+        event.record(self.stream_obj(stream))
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end)
+
+    def capture(self, fn, stream: int) -> "_CudaGraph":
+        if not stream:
+            raise KdaError("capture: use a stream from create_stream(), not the legacy "
+                           "default stream 0")
+        s = self.stream_obj(stream)
+        s.begin_capture()
+        try:
+            fn()
+        finally:
+            graph = s.end_capture()
+        return _CudaGraph(self, graph)
+
+    # -- kernels ---------------------------------------------------------------------------
+    def load_module(self, family: str) -> Any:
+        src = kernels_dir() / f"{family}.cu"
+        if not src.exists():
+            raise KdaError(f"kernel family {family!r}: {src} not found")
+        raw = cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{kernels_dir()}"))
+        raw.compile()
+        return _Module(family, raw)
+
+    def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
+               stream: int) -> None:
+        key = (module.family, kernel)
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._functions[key] = module.raw.get_function(kernel)
+        if cfg.shared_mem > 48 * 1024 and self._smem_set.get(key, 0) < cfg.shared_mem:
+            fn.max_dynamic_shared_size_bytes = cfg.shared_mem
+            self._smem_set[key] = cfg.shared_mem
+        cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
+        with self.stream_obj(stream):
+            fn(cfg.grid, cfg.block, cargs, shared_mem=cfg.shared_mem)
+
+    def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
+                  m: int, n: int, k: int, stream: int) -> None:
+        # Row-major c[m, n] = a[m, k] w[n, k]^T is column-major c^T = op_T(w) a^T.
+        from cupy.cuda import cublas
+        handle = self._device.cublas_handle
+        cublas.setStream(handle, int(stream))
+        cublas.gemmEx(handle, _OP_T, _OP_N, n, m, k, self._alpha.ctypes.data, int(w),
+                      _CUDA_R_16BF, k, int(a), _CUDA_R_16BF, lda, self._beta.ctypes.data, int(c),
+                      _CUDA_R_16BF, ldc, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP)
+
+
+class _Module:
+    def __init__(self, family: str, raw: Any):
+        self.family = family
+        self.raw = raw
+
+
+class _CudaGraph:
+    def __init__(self, backend: CupyBackend, graph: Any):
+        self._backend = backend
+        self._graph = graph
+
+    def replay(self, stream: int) -> None:
+        self._graph.launch(self._backend.stream_obj(stream))

@@ -1,0 +1,42 @@
+// Shared helpers for every kernel family. bf16 travels as raw 16-bit words and is
+// converted by hand, so the same source builds under NVRTC (CuPy) and nvcc with no
+// dependency on cuda_bf16.h; f2bf rounds to nearest even like __float2bfloat16_rn.
+#pragma once
+
+typedef unsigned short bf16;
+typedef unsigned long long u64;  // 64-bit offsets; NVRTC has no <cstddef>
+
+__device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
+
+__device__ __forceinline__ bf16 f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+// Unpack 8 bf16 held in a 16-byte vector.
+__device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Weights are read exactly once per call: stream them past L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -1,0 +1,48 @@
+"""GPU fixtures: the CUDA backend (tests skip cleanly without one) and layers bound on
+both backends from the same checkpoint, so every stage can be compared."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdarun import Glm5NextKdaConfig, open_backend, synthetic
+from kdarun.backend import cuda_available
+
+from ..helpers import Env
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(scope="session")
+def cuda():
+    if not cuda_available():
+        pytest.skip("no CUDA device (CuPy missing or no GPU)")
+    return open_backend("cuda")
+
+
+@pytest.fixture(scope="session")
+def gpu_ckpts(tmp_path_factory) -> dict[str, str]:
+    """Checkpoints the GPU tests run on: both gates at D=64 (tiny), a D=128 stack with an odd
+    hidden size, and extreme gates."""
+    specs = {
+        "softplus": synthetic.preset_config("tiny", "softplus", layers=4),
+        "bounded": synthetic.preset_config("tiny", "bounded", layers=4, lower_bound=-3.0),
+        "d128": Glm5NextKdaConfig(hidden_size=1000, num_heads=2, head_dim=128,
+                                            rms_norm_eps=1e-5, num_hidden_layers=2,
+                                            kda_layers=(0, 1)),
+    }
+    out = {}
+    for name, cfg in specs.items():
+        out[name] = str(synthetic.write_checkpoint(tmp_path_factory.mktemp(name), cfg, seed=11))
+    return out
+
+
+@pytest.fixture(scope="session", params=["softplus", "bounded", "d128"])
+def pair(request, cuda, host, gpu_ckpts):
+    """(cuda Env, host Env) on the same checkpoint, layer 1, max_tokens 4096."""
+    path = gpu_ckpts[request.param]
+    return Env(cuda, path, 4096), Env(host, path, 4096)

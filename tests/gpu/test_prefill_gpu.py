@@ -1,0 +1,127 @@
+"""CUDA chunked prefill: outputs, every stage and the final state against the host backend
+and the float64 reference; poisoned pad; continuity with decode; windows; extreme gates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kdarun import prefill_windowed, synthetic
+from kdarun.run import random_hidden
+from kdarun.workspace import BF16
+
+from ..helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, bits, rel
+
+STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
+          "k_f32", "v_f32", "core", "o_norm_out", "final_out")
+VALID_ROWS = ("gate", "beta", "q_f32", "k_f32", "v_f32", "core")
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["zero-state", "warm-state"])
+@pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 1000, 4096])
+def test_prefill_vs_reference_and_host(pair, T, warm):
+    cu, ho = pair
+    R, C = ho.warm_state(seed=500 + T) if warm else (None, None)
+    h = random_hidden(T, cu.cfg.hidden_size, seed=T)
+    s_cu, s_ho = cu.state(R, C), ho.state(R, C)
+    out = cu.prefill(h, s_cu)
+    ho.prefill(h, s_ho)
+    for name in STAGES:
+        a, b = cu.ws.read(name, T), ho.ws.read(name, T)
+        if name in VALID_ROWS:
+            a, b = a[:T], b[:T]
+        assert rel(a, b) < BF16_OUT_TOL, name
+    ref = cu.ref(h, R, C)
+    assert rel(out, ref.stages["final_out"]) < E2E_TOL
+    Rs, Cs = s_cu.download()
+    assert rel(Rs, ref.recurrent_state) < STATE_TOL
+    assert rel(Rs, s_ho.download()[0]) < BF16_OUT_TOL
+    assert np.array_equal(bits(Cs), bits(s_ho.download()[1])) or rel(Cs, ref.conv_state) < BF16_OUT_TOL
+
+
+def test_chunk_core_stage_local(pair):
+    """The CUDA chunk core against the float64 recurrence fed the buffers it read."""
+    from kdarun import reference
+    cu, ho = pair
+    cfg, T = cu.cfg, 1000
+    R, C = ho.warm_state(seed=600)
+    st = cu.state(R, C)
+    cu.prefill(random_hidden(T, cfg.hidden_size, seed=601), st)
+    H, D = cfg.num_heads, cfg.head_dim
+    rd = lambda n: cu.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
+    qkv = [rd(n).reshape(T, H, D) for n in ("q_f32", "k_f32", "v_f32")]
+    core, S = reference.core_recurrent(cfg, *qkv, rd("gate"), rd("beta"), R)
+    assert rel(rd("core"), core) < FP32_TOL
+    assert rel(st.download()[0], S) < FP32_TOL
+
+
+@pytest.mark.parametrize("fill", [np.nan, 1e30])
+@pytest.mark.parametrize("T", [1, 65, 1000])
+def test_poisoned_pad_bit_identical(pair, T, fill):
+    cu, _ = pair
+    R, C = cu.warm_state(seed=700)
+    h = random_hidden(T, cu.cfg.hidden_size, seed=701)
+    a, b = cu.state(R, C), cu.state(R, C)
+    zero = cu.prefill(h, a, 0.0)
+    zero_core = cu.ws.read("core", T)[:T]
+    poison = cu.prefill(h, b, fill)
+    assert np.array_equal(bits(poison), bits(zero))
+    assert np.array_equal(bits(cu.ws.read("core", T)[:T]), bits(zero_core))
+    for x, y in zip(a.download(), b.download()):
+        assert np.array_equal(bits(x), bits(y))
+
+
+@pytest.mark.parametrize("T", [64, 1000])
+def test_prefill_then_decode_equals_longer_prefill(pair, T):
+    cu, _ = pair
+    R, C = cu.warm_state(seed=800)
+    h = random_hidden(T + 1, cu.cfg.hidden_size, seed=801)
+    a, b = cu.state(R, C), cu.state(R, C)
+    cu.prefill(h[:T], a)
+    last_a = cu.decode(h[T], a)
+    last_b = cu.prefill(h, b)[T:]
+    assert rel(last_a, last_b) < 2 * BF16_OUT_TOL
+    assert rel(a.download()[0], b.download()[0]) < BF16_OUT_TOL
+
+
+def test_windowed_prefill_equals_one_prefill(cuda, gpu_ckpts):
+    small, big = Env(cuda, gpu_ckpts["bounded"], 256), Env(cuda, gpu_ckpts["bounded"], 2048)
+    R, C = big.warm_state(seed=900)
+    h = random_hidden(1500, big.cfg.hidden_size, seed=901)
+    one_state = big.state(R, C)
+    one = big.prefill(h, one_state)
+    win_state = small.state(R, C)
+    hp, out = cuda.upload(h), cuda.alloc(h.nbytes)
+    prefill_windowed(small.layer, cuda, hp, 1500, win_state, small.ws, out, 0)
+    assert rel(cuda.download(out, h.shape, BF16), one) < BF16_OUT_TOL
+    assert rel(win_state.download()[0], one_state.download()[0]) < BF16_OUT_TOL
+
+
+def _extreme_ckpt(tmp_path, gate, lower_bound, a_log):
+    cfg = synthetic.preset_config("tiny", gate, layers=4, lower_bound=lower_bound)
+    path = synthetic.write_checkpoint(tmp_path, cfg, seed=13)
+    if a_log is not None:
+        f = path / "model.safetensors"
+        t = load_file(str(f))
+        for k in t:
+            if k.endswith("A_log"):
+                t[k] = np.full_like(t[k], a_log)
+        save_file(t, str(f))
+    return str(path)
+
+
+@pytest.mark.parametrize("gate, lower_bound, a_log", [
+    ("bounded", -5.0, None), ("bounded", -0.01, None), ("bounded", -5.0, np.log(1e3)),
+    ("softplus", -5.0, np.log(1e3)), ("softplus", -5.0, np.log(1e-3)),
+])
+def test_extreme_gates_long_sequence(cuda, tmp_path, gate, lower_bound, a_log):
+    env = Env(cuda, _extreme_ckpt(tmp_path, gate, lower_bound, a_log), 4096)
+    h = random_hidden(4096, env.cfg.hidden_size, seed=1000)
+    st = env.state()
+    out = env.prefill(h, st)
+    g = env.ws.read("gate", 4096)
+    assert np.all(np.isfinite(g)) and np.all(g <= 0)
+    ref = env.ref(h)
+    assert rel(out, ref.stages["final_out"]) < E2E_TOL
+    assert rel(st.download()[0], ref.recurrent_state) < STATE_TOL

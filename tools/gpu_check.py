@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Everything GPU in one run, for the device machine: the GPU tests, the decode and prefill
+benchmarks (with fla alongside where importable) and a short summary table last.
+
+    PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
+
+Installs nothing. Full results go to $OUT/gpu_check.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def run_tests(extra: list[str]) -> dict:
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--tb=short",
+                        "-p", "no:cacheprovider", "tests/gpu", *extra],
+                       cwd=ROOT, capture_output=True, text=True)
+    print(p.stdout[-20000:], p.stderr[-4000:], sep="\n", flush=True)
+    last = [ln for ln in p.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    return {"returncode": p.returncode, "summary": last[-1] if last else "no summary",
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer presets and lengths")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    args = ap.parse_args()
+
+    from kdarun import bench, open_backend
+    gpu = open_backend("cuda")
+    report: dict = {"device": gpu.device_name}
+    tests = None
+    if not args.skip_tests:
+        tests = report["tests"] = run_tests(args.pytest_args.split())
+    rows: list[tuple[str, str, str]] = []
+    if not args.skip_bench:
+        stream = gpu.create_stream()
+        ceil = bench.measure_ceilings(gpu, stream)
+        report["ceilings"] = vars(ceil)
+        use_fla = bench.fla_available()
+        report["fla"] = use_fla
+        presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "large"]
+        tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
+        report["decode"], report["prefill"] = [], []
+        for preset in presets:
+            for k, graph in ((1, True), (1, False), (4, True)):
+                r = bench.bench_decode(gpu, preset, k, graph, ceil, stream)
+                if use_fla and k == 1:
+                    r.fla_us = bench.fla_decode_us(preset, graph)
+                report["decode"].append(vars(r))
+                one = next((d for d in report["decode"] if d["preset"] == preset and d["k"] == 1
+                            and d["graph"] == graph), None)
+                vs = f" fla {r.fla_us:.1f} us ({r.fla_us / r.us:.2f}x)" if r.fla_us else ""
+                k_ratio = f" = {r.us / one['us']:.2f}x one decode" if k > 1 and one else ""
+                rows.append((f"decode {preset}", f"K={k} {'graph' if graph else 'eager'}",
+                             f"{r.us:.1f} us, {r.gbps:.0f} GB/s = {100 * r.frac_copy:.0f}% of copy"
+                             f"{k_ratio}{vs}"))
+                print(rows[-1], flush=True)
+            res = bench.bench_prefill(gpu, preset, tokens, stream)
+            fla = bench.fla_prefill_ms(preset, tokens) if use_fla else [(None, None)] * len(tokens)
+            for r, (f_ms, f_core) in zip(res, fla):
+                r.fla_ms, r.fla_core_ms = f_ms, f_core
+                report["prefill"].append(vars(r))
+                vs = (f" | fla {f_ms:.2f} ms ({f_ms / r.ms:.2f}x), fla chunk_kda {f_core:.2f} ms "
+                      f"({f_core / r.core_ms:.2f}x)") if f_ms else ""
+                rows.append((f"prefill {preset}", f"T={r.tokens}",
+                             f"{r.ms:.3f} ms ({r.tflops:.0f} TFLOP/s), core {r.core_ms:.3f} ms{vs}"))
+                print(rows[-1], flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
+    print("\n==== kdarun GPU check:", report["device"], "====")
+    if tests:
+        print(f"tests: {tests['summary']} ({tests['seconds']} s)")
+    if "ceilings" in report:
+        c = report["ceilings"]
+        print(f"ceilings (this run): copy {c['copy_gbps']:.0f} GB/s, bf16 GEMM "
+              f"{c['gemm_tflops']:.0f} TFLOP/s; fla importable: {report['fla']}")
+    w = max((len(a) + len(b) for a, b, _ in rows), default=0) + 1
+    for a, b, c in rows:
+        print(f"{(a + ' ' + b).ljust(w)}  {c}")
+    return 0 if not tests or tests["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
