@@ -47,6 +47,20 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy):
         Y[r] = (W @ xr).astype(BF)
 
 
+def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv):
+    dense_gemv_bf16(gpu, w, x, proj, n, k, m, k, ldp)
+    pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
+
+
+def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, M,
+                      H, D, R, lower_bound, bounded):
+    f_a = proj + 3 * H * D * 2
+    dense_gemv_bf16(gpu, f_b, f_a, g_raw, H * D, R, M, ldp, H * D)
+    dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, H * D, R, M, ldp, H * D)
+    kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldp, a_log, dt_bias, gate, beta, M, M, H, D,
+                  lower_bound, bounded)
+
+
 # -- pack ------------------------------------------------------------------------------------
 def pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
     P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
@@ -89,7 +103,7 @@ def _conv_taps(w: np.ndarray, xs: np.ndarray, t: int) -> np.ndarray:
     return acc
 
 
-def conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
+def _conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
     S = gpu.view(conv_state, (W - 1, conv_dim), BF)
     x = gpu.view(x_row, conv_dim, BF)
     xs = np.concatenate([S, x[None]]).astype(F32)
@@ -116,10 +130,12 @@ def l2_norm_bf16(gpu, x, t, ld, nvec, D):
     X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
 
 
-# -- recurrent -------------------------------------------------------------------------------
-def _kda_recurrent(D):
-    def run(gpu, conv_out_row, gate_row, beta_row, state, core_row, H, scale):
+# -- decode row (conv + recurrent step + gated norm) ------------------------------------------
+def _kda_decode_row(D):
+    def run(gpu, x_row, conv_state, conv_w, conv_out_row, gate_row, beta_row, state, core_row,
+            out_gate_row, o_norm_w, o_norm_row, H, W, scale, eps):
         qkv = H * D
+        _conv_decode(gpu, x_row, conv_state, conv_w, conv_out_row, 3 * qkv, qkv, W, D)
         row = gpu.view(conv_out_row, 3 * qkv, BF).astype(F32)
         q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
         S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
@@ -127,6 +143,7 @@ def _kda_recurrent(D):
         resid = v - np.einsum("hvk,hk->hv", S, k)
         S += gpu.view(beta_row, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
         gpu.view(core_row, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * F32(scale))
+        gated_rmsnorm(gpu, core_row, out_gate_row, o_norm_w, o_norm_row, 1, H, D, eps)
     return run
 
 
@@ -197,12 +214,13 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
 
 
 HOST_KERNELS: dict[str, dict] = {
-    "gemv": {"dense_gemv_bf16": dense_gemv_bf16},
+    "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "proj_gemv_bf16": proj_gemv_bf16,
+             "lowrank_gate_gemv": lowrank_gate_gemv},
     "pack": {"pack_qkv": pack_qkv, "widen_f32": widen_f32},
     "gate": {"kda_gate_beta": kda_gate_beta},
-    "conv": {"conv_decode": conv_decode, "conv_prefill": conv_prefill,
+    "conv": {"conv_prefill": conv_prefill,
              "conv_roll_state": conv_roll_state, "l2_norm_bf16": l2_norm_bf16},
-    "recurrent": {f"kda_recurrent_d{d}": _kda_recurrent(d) for d in (64, 128)},
+    "recurrent": {f"kda_decode_row_d{d}": _kda_decode_row(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},

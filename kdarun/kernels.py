@@ -43,26 +43,47 @@ class Glm5NextKdaKernels:
         self.gpu.launch(self.modules[family], name, cfg, args, stream)
 
     # -- projections ---------------------------------------------------------------------
-    def dense_gemv_bf16(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr, n: int,
-                        k: int, m: int = 1, ldx: int | None = None, ldy: int | None = None) -> None:
-        """y[m, n] = bf16(W[n, k] @ x[m, k]) for m rows; each row's K order and reduction
-        tree is the same for any m, so a batched call is bit-identical to single calls."""
-        ldx = k if ldx is None else ldx
-        ldy = n if ldy is None else ldy
+    def _gemv_check(self, name: str, k: int, m: int, ldx: int) -> None:
         if not 1 <= m <= MAX_GEMV_ROWS:
-            raise KdaError(f"dense_gemv_bf16: rows must be in [1, {MAX_GEMV_ROWS}], got {m}")
-        if k % 8 or ldx % 8 or ldx < k or ldy < n:
-            raise KdaError(f"dense_gemv_bf16: need k, ldx multiples of 8, ldx >= k, ldy >= n; "
-                           f"got k={k} ldx={ldx} n={n} ldy={ldy}")
-        cfg = LaunchConfig((_blocks(n, GEMV_WARPS), 1, 1), (32 * GEMV_WARPS, 1, 1))
-        self._launch("gemv", "dense_gemv_bf16", cfg,
-                     (w, x, y, i32(n), i32(k), i32(m), i32(ldx), i32(ldy)), stream)
+            raise KdaError(f"{name}: rows must be in [1, {MAX_GEMV_ROWS}], got {m}")
+        if k % 8 or ldx % 8 or ldx < k:
+            raise KdaError(f"{name}: need k and ldx multiples of 8 with ldx >= k; "
+                           f"got k={k} ldx={ldx}")
+
+    @staticmethod
+    def _gemv_cfg(rows: int) -> LaunchConfig:
+        return LaunchConfig((_blocks(rows, GEMV_WARPS), 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
-                               n: int, k: int, m: int, ldx: int | None = None,
-                               ldy: int | None = None) -> None:
-        """K-row verify form of `dense_gemv_bf16` (the same kernel, so the same bits)."""
-        self.dense_gemv_bf16(stream, w, x, y, n, k, m, ldx, ldy)
+                               n: int, k: int, m: int) -> None:
+        """y[m, n] = bf16(W[n, k] @ x[m, k]) for m <= 8 dense rows; each row's K order and
+        reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
+        self._gemv_check("dense_gemv_bf16", k, m, k)
+        self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n),
+                     (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n)), stream)
+
+    def proj_gemv_bf16(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
+                       qkv_parts: DevicePtr, qkv_proj: DevicePtr, m: int) -> None:
+        """Decode's packed input projection over m rows of hidden [m, hidden] bf16 ->
+        proj [m, proj_width], with q|k|v also written to qkv_proj and qkv_parts."""
+        c = self.cfg
+        self._gemv_check("proj_gemv_bf16", c.hidden_size, m, c.hidden_size)
+        self._launch("gemv", "proj_gemv_bf16", self._gemv_cfg(c.proj_rows),
+                     (w_in, hidden, proj, qkv_parts, qkv_proj, i32(c.proj_rows),
+                      i32(c.hidden_size), i32(m), i32(c.proj_width), i32(c.qkv)), stream)
+
+    def lowrank_gate_gemv(self, stream: int, f_b: DevicePtr, g_b: DevicePtr, proj: DevicePtr,
+                          a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
+                          out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, m: int) -> None:
+        """Decode's low-rank gates from proj's f_a|g_a|b columns: g_raw and the forget gate,
+        out_gate, and beta, for m rows in one launch."""
+        c = self.cfg
+        self._gemv_check("lowrank_gate_gemv", c.rank, m, c.proj_width)
+        bounded = c.gate_lower_bound is not None
+        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv + c.num_heads),
+                     (f_b, g_b, proj, i32(c.proj_width), a_log, dt_bias, g_raw, out_gate, gate,
+                      beta, i32(m), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
+                      f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:
@@ -99,16 +120,6 @@ class Glm5NextKdaKernels:
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
 
     # -- conv ------------------------------------------------------------------------------
-    def conv_decode(self, stream: int, x_row: DevicePtr, conv_state: DevicePtr, conv_w: DevicePtr,
-                    out_row: DevicePtr) -> None:
-        """One token: conv over the carried state + SiLU + L2 of q/k heads, fused, rolling
-        the conv state [W-1, conv_dim] in place."""
-        c = self.cfg
-        cfg = LaunchConfig((3 * c.num_heads, 1, 1), (c.head_dim, 1, 1))
-        self._launch("conv", "conv_decode", cfg,
-                     (x_row, conv_state, conv_w, out_row, i32(c.conv_dim), i32(c.qkv),
-                      i32(c.conv_kernel), i32(c.head_dim)), stream)
-
     def conv_prefill(self, stream: int, x: DevicePtr, conv_state: DevicePtr, conv_w: DevicePtr,
                      out: DevicePtr, t: int) -> None:
         """t tokens: conv + SiLU -> out [t, conv_dim] bf16, then the state rolls to the
@@ -128,16 +139,19 @@ class Glm5NextKdaKernels:
                      (x, i32(t), i32(c.conv_dim), i32(2 * c.num_heads), i32(c.head_dim)), stream)
 
     # -- core ------------------------------------------------------------------------------
-    def kda_recurrent(self, stream: int, conv_out_row: DevicePtr, gate_row: DevicePtr,
-                      beta_row: DevicePtr, state: DevicePtr, core_row: DevicePtr) -> None:
-        """One token of the delta rule on state [H, Dv, Dk] fp32, in place; q/k arrive
-        L2-normalised from the conv and are not normalised again."""
+    def kda_decode_row(self, stream: int, x_row: DevicePtr, conv_state: DevicePtr,
+                       conv_w: DevicePtr, conv_out_row: DevicePtr, gate_row: DevicePtr,
+                       beta_row: DevicePtr, state: DevicePtr, core_row: DevicePtr,
+                       out_gate_row: DevicePtr, o_norm_w: DevicePtr, o_norm_row: DevicePtr) -> None:
+        """One decode token, one block per head: conv over the carried conv state + SiLU +
+        L2 of q/k (conv state rolled in place), the delta-rule step on state [H, Dv, Dk] fp32
+        (in place) and the gated RMSNorm -> o_norm_row."""
         c = self.cfg
-        rows = c.num_heads * c.head_dim  # one warp per state row (h, v)
-        cfg = LaunchConfig((_blocks(rows, THREADS // 32), 1, 1), (THREADS, 1, 1))
-        self._launch("recurrent", f"kda_recurrent_d{c.head_dim}", cfg,
-                     (conv_out_row, gate_row, beta_row, state, core_row, i32(c.num_heads),
-                      f32(c.scale)), stream)
+        cfg = LaunchConfig((c.num_heads, 1, 1), (4 * c.head_dim, 1, 1))
+        self._launch("recurrent", f"kda_decode_row_d{c.head_dim}", cfg,
+                     (x_row, conv_state, conv_w, conv_out_row, gate_row, beta_row, state, core_row,
+                      out_gate_row, o_norm_w, o_norm_row, i32(c.num_heads), i32(c.conv_kernel),
+                      f32(c.scale), f32(c.rms_norm_eps)), stream)
 
     def kda_chunk(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr, gate: DevicePtr,
                   beta: DevicePtr, g_cum: DevicePtr, w: DevicePtr, u: DevicePtr, aqk: DevicePtr,

@@ -79,51 +79,52 @@ class Glm5NextKdaLayer:
     def front_end(self, gpu: GpuBackend, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace,
                   stream: int) -> None:
         """The weight-heavy, stateless half of decode over t rows of hidden [t, hidden] bf16:
-        packed q|k|v|f_a|g_a|b GEMV, both low-rank gate up-projections, pack, gate, beta."""
-        c, w, kn = self.cfg, self.weights, self.kernels
-        kn.dense_gemv_bf16_batchm(stream, w.w_in, hidden, ws.ptr("proj"), c.proj_rows,
-                                  c.hidden_size, t, ldy=c.proj_width)
-        self._lowrank_and_pack(gpu, t, t, ws, stream, gemv=True)
+        the packed q|k|v|f_a|g_a|b GEMV (writing qkv_parts and qkv_proj too), then the
+        low-rank gates with the forget gate and beta in the same launch."""
+        w, kn = self.weights, self.kernels
+        kn.proj_gemv_bf16(stream, w.w_in, hidden, ws.ptr("proj"), ws.qkv_parts, ws.qkv_proj, t)
+        self._ws_stage(gpu, stream, ws, "qkv_parts", "proj_gemv_bf16", t)
+        self._ws_stage(gpu, stream, ws, "qkv_proj", "proj_gemv_bf16", t)
+        kn.lowrank_gate_gemv(stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw,
+                             ws.out_gate, ws.gate, ws.beta, t)
+        for name in ("g_raw", "out_gate", "gate", "beta"):
+            self._ws_stage(gpu, stream, ws, name, "lowrank_gate_gemv", t)
 
     def stateful_row(self, gpu: GpuBackend, row: int, state: KdaSeqState,
                      ws: Glm5NextKdaWorkspace, stream: int) -> None:
-        """Token `row` of the front end's rows through conv (+SiLU+L2) and the recurrent
-        step, rolling the conv state and updating the recurrent state in place."""
-        c, kn = self.cfg, self.kernels
-        cd = c.conv_dim * BF16.itemsize
-        kn.conv_decode(stream, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w,
-                       ws.conv_out + row * cd)
-        self._ws_stage(gpu, stream, ws, "conv_out", "conv_decode", row + 1, row)
-        kn.kda_recurrent(stream, ws.conv_out + row * cd,
-                         ws.gate + row * c.qkv * F32.itemsize,
-                         ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
-                         ws.core + row * c.qkv * F32.itemsize)
-        self._ws_stage(gpu, stream, ws, "core", "kda_recurrent", row + 1, row)
-        self._state_stage(gpu, stream, state, "kda_recurrent", f"[{row}]")
+        """Token `row` of the front end's rows, one launch: conv (+SiLU+L2) rolling the conv
+        state, the recurrent step updating the state in place, and the gated RMSNorm."""
+        c = self.cfg
+        cd, hd = c.conv_dim * BF16.itemsize, c.qkv * BF16.itemsize
+        f = c.qkv * F32.itemsize
+        self.kernels.kda_decode_row(
+            stream, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w, ws.conv_out + row * cd,
+            ws.gate + row * f, ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
+            ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
+            ws.o_norm_out + row * hd)
+        for name in ("conv_out", "core", "o_norm_out"):
+            self._ws_stage(gpu, stream, ws, name, "kda_decode_row", row + 1, row)
+        self._state_stage(gpu, stream, state, "kda_decode_row", f"[{row}]")
 
     def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
-        """Gated RMSNorm and o_proj over t rows: ws.core -> ws.final_out [t, hidden] bf16."""
+        """o_proj over the t rows the stateful walk normalised: ws.o_norm_out ->
+        ws.final_out [t, hidden] bf16."""
         c = self.cfg
-        self._norm(gpu, t, ws, stream)
         self.kernels.dense_gemv_bf16_batchm(stream, self.weights.o_proj, ws.o_norm_out,
                                             ws.final_out, c.hidden_size, c.qkv, t)
         self._ws_stage(gpu, stream, ws, "final_out", "dense_gemv_bf16", t)
 
-    # -- shared pieces ---------------------------------------------------------------------
-    def _lowrank_and_pack(self, gpu, t: int, t_pad: int, ws, stream, gemv: bool) -> None:
+    # -- prefill pieces --------------------------------------------------------------------
+    def _prefill_gates_and_pack(self, gpu, t: int, t_pad: int, ws, stream) -> None:
         c, w, kn = self.cfg, self.weights, self.kernels
         proj = ws.ptr("proj")
         f_a = proj + c.conv_dim * BF16.itemsize
         g_a = f_a + c.rank * BF16.itemsize
         b_raw = g_a + c.rank * BF16.itemsize
-        for wt, x, y in ((w.f_b, f_a, ws.g_raw), (w.g_b, g_a, ws.out_gate)):
-            if gemv:
-                kn.dense_gemv_bf16_batchm(stream, wt, x, y, c.qkv, c.rank, t, ldx=c.proj_width)
-            else:
-                kn.gemm_bf16(stream, x, c.proj_width, wt, y, c.qkv, t, c.qkv, c.rank)
-        kernel = "dense_gemv_bf16" if gemv else "gemm_bf16"
-        self._ws_stage(gpu, stream, ws, "g_raw", kernel, t)
-        self._ws_stage(gpu, stream, ws, "out_gate", kernel, t)
+        kn.gemm_bf16(stream, f_a, c.proj_width, w.f_b, ws.g_raw, c.qkv, t, c.qkv, c.rank)
+        kn.gemm_bf16(stream, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv, t, c.qkv, c.rank)
+        self._ws_stage(gpu, stream, ws, "g_raw", "gemm_bf16", t)
+        self._ws_stage(gpu, stream, ws, "out_gate", "gemm_bf16", t)
         kn.pack_qkv(stream, proj, ws.qkv_parts, ws.qkv_proj, t)
         self._ws_stage(gpu, stream, ws, "qkv_parts", "pack_qkv", t)
         self._ws_stage(gpu, stream, ws, "qkv_proj", "pack_qkv", t)
@@ -131,11 +132,6 @@ class Glm5NextKdaLayer:
                          ws.beta, t, t_pad)
         self._ws_stage(gpu, stream, ws, "gate", "kda_gate_beta", t)
         self._ws_stage(gpu, stream, ws, "beta", "kda_gate_beta", t)
-
-    def _norm(self, gpu, t: int, ws, stream) -> None:
-        self.kernels.gated_rmsnorm(stream, ws.core, ws.out_gate, self.weights.o_norm,
-                                   ws.o_norm_out, t)
-        self._ws_stage(gpu, stream, ws, "o_norm_out", "gated_rmsnorm", t)
 
     # -- public forward paths --------------------------------------------------------------
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, state: KdaSeqState,
@@ -181,7 +177,7 @@ class Glm5NextKdaLayer:
         t_pad = c.t_pad(t)
         kn.gemm_bf16(stream, hidden, c.hidden_size, w.w_in, ws.ptr("proj"), c.proj_width, t,
                      c.proj_rows, c.hidden_size)
-        self._lowrank_and_pack(gpu, t, t_pad, ws, stream, gemv=False)
+        self._prefill_gates_and_pack(gpu, t, t_pad, ws, stream)
         kn.conv_prefill(stream, ws.qkv_proj, state.conv, w.conv_w, ws.conv_out, t)
         kn.l2_norm_bf16(stream, ws.conv_out, t)
         self._ws_stage(gpu, stream, ws, "conv_out", "l2_norm_bf16", t)
@@ -193,7 +189,8 @@ class Glm5NextKdaLayer:
                      ws.core, t, t_pad)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
         self._state_stage(gpu, stream, state, "kda_chunk_inter")
-        self._norm(gpu, t, ws, stream)
+        kn.gated_rmsnorm(stream, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, t)
+        self._ws_stage(gpu, stream, ws, "o_norm_out", "gated_rmsnorm", t)
         kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,
                      c.hidden_size, c.qkv)
         self._ws_stage(gpu, stream, ws, "final_out", "gemm_bf16", t)

@@ -1,35 +1,9 @@
-// The short causal depthwise conv over time, with the carried conv state [W-1, conv_dim]
-// (oldest row first) standing in for the rows before the first token.
+// The prefill side of the short causal depthwise conv over time, with the carried conv state
+// [W-1, conv_dim] (oldest row first) standing in for the rows before the first token. Decode's
+// conv is fused into kda_decode_row (recurrent.cu).
 #include "common.cuh"
 
-// Decode: one block per q/k/v head vector of D channels, one thread per channel, so the
-// per-head L2 norm of q and k is a block reduction and fuses here (the recurrent step takes
-// q/k pre-normalised). Each thread rolls its own channel column of the state, so no race.
-extern "C" __global__ void conv_decode(const bf16* __restrict__ x, bf16* __restrict__ state,
-                                       const float* __restrict__ w, bf16* __restrict__ out,
-                                       int conv_dim, int qkv, int W, int D) {
-    __shared__ float partial[32];
-    const int c = blockIdx.x * D + threadIdx.x;
-    float acc = 0.0f;
-    for (int j = 0; j < W - 1; ++j)
-        acc = __fmaf_rn(w[(u64)j * conv_dim + c], bf2f(state[(u64)j * conv_dim + c]), acc);
-    const bf16 xc = x[c];
-    acc = __fmaf_rn(w[(u64)(W - 1) * conv_dim + c], bf2f(xc), acc);
-    for (int j = 0; j < W - 2; ++j) state[(u64)j * conv_dim + c] = state[(u64)(j + 1) * conv_dim + c];
-    state[(u64)(W - 2) * conv_dim + c] = xc;
-    float y = acc * sigmoidf_(acc);
-    if (blockIdx.x * D < 2 * qkv) {  // q or k head: block-uniform branch
-        const float s = warp_sum(y * y);
-        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-        __syncthreads();
-        float ss = 0.0f;
-        for (int i = 0; i < D / 32; ++i) ss += partial[i];
-        y = y * (1.0f / sqrtf(ss + 1e-6f));
-    }
-    out[c] = f2bf(y);
-}
-
-// Prefill: one thread per (token, channel); output is conv + SiLU rounded to bf16 (the L2
+// One thread per (token, channel); output is conv + SiLU rounded to bf16 (the L2
 // norm runs after, in place, on the bf16 values).
 extern "C" __global__ void conv_prefill(const bf16* __restrict__ x, const bf16* __restrict__ state,
                                         const float* __restrict__ w, bf16* __restrict__ out,

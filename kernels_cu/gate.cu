@@ -1,6 +1,6 @@
 // Forget gate and beta, grid-parallel over tokens so one launch serves decode, decode_k's
 // K rows and prefill alike. Rows >= T are written as zeros (the core never reads them).
-#include "common.cuh"
+#include "gate.cuh"
 
 extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
                                          const bf16* __restrict__ b_raw, int ldb,
@@ -18,15 +18,6 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
         if (c < H) beta[(u64)t * H + c] = 0.0f;
         return;
     }
-    const float x = bf2f(g_raw[i]) + dt_bias[c];
-    const float a = expf(a_log[c / D]);
-    float g;
-    if (bounded) {
-        g = lower_bound * sigmoidf_(a * x);
-    } else {
-        const float sp = x > 20.0f ? x : log1pf(expf(x));
-        g = -a * sp;
-    }
-    gate[i] = g;
+    gate[i] = kda_gate_value(bf2f(g_raw[i]) + dt_bias[c], expf(a_log[c / D]), lower_bound, bounded);
     if (c < H) beta[(u64)t * H + c] = sigmoidf_(bf2f(b_raw[(u64)t * ldb + c]));
 }

@@ -1,51 +1,111 @@
-// One decode token of the delta rule. The state [H, Dv, Dk] fp32 is the only large traffic
-// (read and written once), so one warp owns one state row (h, v): the row's Dk floats are
-// contiguous, each lane holding D/32 of them in registers through decay, the k.S dot, the
-// rank-one update and the q.S dot. q and k arrive L2-normalised from conv_decode.
+// One decode token of one head, fused: conv (+SiLU, +L2 of q and k), the delta-rule step
+// and the gated RMSNorm. One block per head, so the L2 and RMS reductions stay in the block
+// and the whole token costs one launch. The state [H, Dv, Dk] fp32 is the only large traffic:
+// each warp owns 8 rows and loads all of them before the first use (memory-level
+// parallelism), and writes them back once. q, k, v enter the step as the bf16 values written
+// to conv_out, so decode and the stage dumps see the same operands.
 #include "common.cuh"
 
+#define ROWS_PER_WARP 8
+
 template <int D>
-__device__ __forceinline__ void kda_recurrent_body(const bf16* __restrict__ row,
-                                                   const float* __restrict__ gate,
-                                                   const float* __restrict__ beta,
-                                                   float* __restrict__ state,
-                                                   float* __restrict__ core, int H, float scale) {
-    constexpr int E = D / 32;
-    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= H * D) return;
-    const int h = r / D, j = r % D, qkv = H * D;
-    float* S = state + (u64)r * D;
-    const bf16* q = row + h * D;
-    const bf16* k = row + qkv + h * D;
-    float s[E], kf[E];
-    float ks = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const int d = lane * E + e;
-        kf[e] = bf2f(k[d]);
-        s[e] = S[d] * expf(gate[h * D + d]);
-        ks = __fmaf_rn(s[e], kf[e], ks);
+__device__ __forceinline__ void decode_row(
+    const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
+    bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
+    float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
+    const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out, int H, int W, float scale,
+    float eps) {
+    constexpr int E = D / 32, NW = D / ROWS_PER_WARP;  // blockDim.x == 32 * NW == 4 * D
+    __shared__ float qs[D], ks[D], vs[D], gx[D], cs[D], part[NW];
+    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qkv = H * D, conv_dim = 3 * qkv;
+    const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
+    float y = 0.0f;
+    if (p < 3) {
+        const int c = p * qkv + h * D + d;
+        float acc = 0.0f;
+        for (int j = 0; j < W - 1; ++j)
+            acc = __fmaf_rn(conv_w[(u64)j * conv_dim + c], bf2f(conv_state[(u64)j * conv_dim + c]), acc);
+        const bf16 xc = x[c];
+        acc = __fmaf_rn(conv_w[(u64)(W - 1) * conv_dim + c], bf2f(xc), acc);
+        for (int j = 0; j < W - 2; ++j)
+            conv_state[(u64)j * conv_dim + c] = conv_state[(u64)(j + 1) * conv_dim + c];
+        conv_state[(u64)(W - 2) * conv_dim + c] = xc;
+        y = acc * sigmoidf_(acc);
+        const float s = warp_sum(y * y);  // a warp never straddles q/k/v: D % 32 == 0
+        if (lane == 0) part[warp] = s;
+    } else {
+        gx[d] = expf(gate[h * D + d]);
     }
-    ks = warp_sum(ks);
-    const float bres = beta[h] * (bf2f(row[2 * qkv + h * D + j]) - ks);
-    float o = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const int d = lane * E + e;
-        s[e] = __fmaf_rn(bres, kf[e], s[e]);
-        o = __fmaf_rn(s[e], bf2f(q[d]) * scale, o);
-        S[d] = s[e];
+    __syncthreads();
+    if (p < 2) {
+        float ss = 0.0f;
+        for (int i = 0; i < D / 32; ++i) ss += part[p * (D / 32) + i];
+        y = y * (1.0f / sqrtf(ss + 1e-6f));
     }
-    o = warp_sum(o);
-    if (lane == 0) core[h * D + j] = o;
+    if (p < 3) {
+        const bf16 r = f2bf(y);
+        conv_out[p * qkv + h * D + d] = r;
+        (p == 0 ? qs : p == 1 ? ks : vs)[d] = bf2f(r);
+    }
+    __syncthreads();
+    const float b = beta[h];
+    float* S = state + (u64)h * D * D;
+    float s[ROWS_PER_WARP][E];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int e = 0; e < E; ++e) s[r][e] = S[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const int j = warp * ROWS_PER_WARP + r;
+        float kS = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int dd = lane * E + e;
+            s[r][e] *= gx[dd];
+            kS = __fmaf_rn(s[r][e], ks[dd], kS);
+        }
+        const float bres = b * (vs[j] - warp_sum(kS));
+        float o = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int dd = lane * E + e;
+            s[r][e] = __fmaf_rn(bres, ks[dd], s[r][e]);
+            o = __fmaf_rn(s[r][e], qs[dd] * scale, o);
+            S[(u64)j * D + dd] = s[r][e];
+        }
+        o = warp_sum(o);
+        if (lane == 0) {
+            cs[j] = o;
+            core[h * D + j] = o;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float v[E], ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            v[e] = cs[lane + 32 * e];
+            ss = __fmaf_rn(v[e], v[e], ss);
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int dd = lane + 32 * e;
+            o_norm_out[h * D + dd] =
+                f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[h * D + dd])));
+        }
+    }
 }
 
-#define KDA_RECURRENT(D)                                                                     \
-    extern "C" __global__ void kda_recurrent_d##D(const bf16* row, const float* gate,        \
-                                                  const float* beta, float* state,           \
-                                                  float* core, int H, float scale) {         \
-        kda_recurrent_body<D>(row, gate, beta, state, core, H, scale);                      \
+#define KDA_DECODE_ROW(D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_row_d##D(                    \
+        const bf16* x, bf16* conv_state, const float* conv_w, bf16* conv_out, const float* gate, \
+        const float* beta, float* state, float* core, const bf16* out_gate,                     \
+        const float* o_norm_w, bf16* o_norm_out, int H, int W, float scale, float eps) {        \
+        decode_row<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,       \
+                      o_norm_w, o_norm_out, H, W, scale, eps);                                  \
     }
-KDA_RECURRENT(64)
-KDA_RECURRENT(128)
+KDA_DECODE_ROW(64)
+KDA_DECODE_ROW(128)

@@ -16,6 +16,8 @@ from ..helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, bits, rel
 STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
           "k_f32", "v_f32", "core", "o_norm_out", "final_out")
 VALID_ROWS = ("gate", "beta", "q_f32", "k_f32", "v_f32", "core")
+# conv+SiLU and then the L2 norm each round to bf16 in prefill: two roundings can flip
+TWO_ROUNDINGS = ("conv_out", "q_f32", "k_f32", "v_f32")
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["zero-state", "warm-state"])
@@ -31,7 +33,8 @@ def test_prefill_vs_reference_and_host(pair, T, warm):
         a, b = cu.ws.read(name, T), ho.ws.read(name, T)
         if name in VALID_ROWS:
             a, b = a[:T], b[:T]
-        assert rel(a, b) < BF16_OUT_TOL, name
+        tol = 2 * BF16_OUT_TOL if name in TWO_ROUNDINGS else BF16_OUT_TOL
+        assert rel(a, b) < tol, name
     ref = cu.ref(h, R, C)
     assert rel(out, ref.stages["final_out"]) < E2E_TOL
     Rs, Cs = s_cu.download()
