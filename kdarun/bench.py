@@ -62,6 +62,14 @@ def measure_ceilings(gpu: GpuBackend, stream: int) -> Ceilings:
     w = gpu.upload(rng.standard_normal((s, s), dtype=np.float32).astype(BF16), stream)
     c = gpu.alloc(s * s * 2)
     gms = median_ms(gpu, lambda: gpu.gemm_bf16(x, s, w, c, s, s, s, s, stream), stream, 20)
+    # the ceiling is only as good as the product it timed: check a few rows of it
+    rows = gpu.download(c, (4, s), BF16, stream).astype(np.float32)
+    xs = gpu.download(x, (4, s), BF16, stream).astype(np.float32)
+    ws_ = gpu.download(w, (s, s), BF16, stream).astype(np.float32)
+    ref = xs @ ws_.T
+    if not np.allclose(rows, ref, rtol=2e-2, atol=0.5):
+        raise KdaError(f"bench: gemm_bf16 ceiling run gave wrong products (max diff "
+                       f"{np.abs(rows - ref).max():.3g})")
     for p in (x, w, c):
         gpu.free(p)
     return Ceilings(2 * n / ms / 1e6, 2 * s ** 3 / gms / 1e9)
@@ -146,6 +154,7 @@ class PrefillResult:
     tokens: int
     ms: float
     core_ms: float
+    gemm_ms: float  # the projection GEMMs alone
     tokens_per_s: float
     tflops: float  # projection GEMMs only, over the whole layer time
     fla_ms: float | None = None
@@ -169,19 +178,31 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
     for t in tokens:
         reps = 30 if t <= 4096 else 10
         ms = median_ms(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream), stream, reps, 3)
-        tp = cfg.t_pad(t)
         kn = layer.kernels
-        core = median_ms(gpu, lambda: kn.kda_chunk(
-            stream, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ws.ptr("chunk_g"),
-            ws.ptr("chunk_w"), ws.ptr("chunk_u"), ws.ptr("chunk_aqk"), state.recurrent, ws.core,
-            t, tp), stream, reps, 3)
-        out.append(PrefillResult(preset, t, ms, core, t / ms * 1e3,
+        core = median_ms(gpu, lambda: kn.kda_chunk(stream, ws, state.recurrent, t), stream,
+                         reps, 3)
+        gemm = median_ms(gpu, lambda: _prefill_gemms(layer, ws, h, t, stream), stream, reps, 3)
+        out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                                  prefill_flops(cfg, t) / ms / 1e9))
     layer.weights.free(gpu)
     state.free()
     ws.free()
     gpu.free(h)
     return out
+
+
+def _prefill_gemms(layer: Glm5NextKdaLayer, ws: Glm5NextKdaWorkspace, h, t: int,
+                   stream: int) -> None:
+    """The GEMMs of one prefill (same shapes and buffers), to split its time."""
+    c, w, kn = layer.cfg, layer.weights, layer.kernels
+    proj = ws.ptr("proj")
+    kn.gemm_bf16(stream, h, c.hidden_size, w.w_in, proj, c.proj_width, t, c.proj_rows,
+                 c.hidden_size)
+    for wt, off in ((w.f_b, c.conv_dim), (w.g_b, c.conv_dim + c.rank)):
+        kn.gemm_bf16(stream, proj + off * BF16.itemsize, c.proj_width, wt, ws.g_raw, c.qkv, t,
+                     c.qkv, c.rank)
+    kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,
+                 c.hidden_size, c.qkv)
 
 
 # -- fla, measured in the same process where it is importable ----------------------------------

@@ -49,7 +49,7 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy):
 
 def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv):
     dense_gemv_bf16(gpu, w, x, proj, n, k, m, k, ldp)
-    pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
+    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
 
 
 def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, M,
@@ -61,14 +61,14 @@ def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate,
                   lower_bound, bounded)
 
 
-# -- pack ------------------------------------------------------------------------------------
-def pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
+# -- pack (prefill_conv_qkv and proj_gemv_bf16 pieces) ------------------------------------------------------------------------------
+def _pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
     P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
     gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
     gpu.view(qkv_parts, (3, t, qkv), BF)[...] = P.reshape(t, 3, qkv).transpose(1, 0, 2)
 
 
-def widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
+def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
     X = gpu.view(conv_out, (t, 3 * qkv), BF).astype(F32)
     for i, p in enumerate((q, k, v)):
         dst = gpu.view(p, (t_pad, qkv), F32)
@@ -113,11 +113,20 @@ def _conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
     S[...] = np.concatenate([S[1:], x[None]])
 
 
-def conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
+def _conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
     xs = np.concatenate([gpu.view(conv_state, (W - 1, conv_dim), BF),
                          gpu.view(x, (t, conv_dim), BF)]).astype(F32)
     y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, t))
     gpu.view(out, (t, conv_dim), BF)[...] = y.astype(BF)
+
+
+def prefill_conv_qkv(gpu, proj, ldp, conv_state, conv_w, qkv_proj, qkv_parts, conv_out, q, k, v,
+                     T, T_pad, H, D, W, pad_fill):
+    qkv = H * D
+    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, T, qkv, ldp)
+    _conv_prefill(gpu, qkv_proj, conv_state, conv_w, conv_out, T, 3 * qkv, W)
+    _l2_norm_bf16(gpu, conv_out, T, 3 * qkv, 2 * H, D)
+    _widen_f32(gpu, conv_out, q, k, v, T, T_pad, qkv, pad_fill)
 
 
 def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
@@ -125,7 +134,7 @@ def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
     S[...] = np.concatenate([S, gpu.view(x, (t, conv_dim), BF)])[-(W - 1):]
 
 
-def l2_norm_bf16(gpu, x, t, ld, nvec, D):
+def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
     X = _rows(gpu, x, t, ld, nvec * D, BF)
     X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
 
@@ -156,50 +165,53 @@ def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
 
 
 def _kda_chunk_intra(D):
-    def run(gpu, q, k, v, gate, beta, g_cum, w, u, aqk, t, t_pad, H, scale):
+    def run(gpu, q, k, v, gate, beta, qg, kd, gl, w, u, aqk, t, t_pad, H, scale):
         causal = np.tril(np.ones((CHUNK, CHUNK), bool))
+        full = lambda p: gpu.view(p, (t_pad, H, D), F32)  # noqa: E731
         for ci in range(t_pad // CHUNK):
             c0 = ci * CHUNK
+            rows = slice(c0, c0 + CHUNK)
             valid = np.arange(c0, c0 + CHUNK) < t
             qc, kc, vc, gc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k, v, gate))
-            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[c0:c0 + CHUNK].T, F32(0))
+            qc = qc * F32(scale)
+            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[rows].T, F32(0))
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
+            g_last = G[:, -1:, :]
+            gpu.view(gl, (t_pad // CHUNK, H, D), F32)[ci] = np.exp(g_last[:, 0])
+            full(qg)[rows] = (qc * np.exp(G)).transpose(1, 0, 2)
+            full(kd)[rows] = (kc * np.exp(g_last - G)).transpose(1, 0, 2)
             diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
             decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
             A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
             A *= np.tril(np.ones((CHUNK, CHUNK), F32), -1)
-            M = np.einsum("htd,hsd,htsd->hts", qc * F32(scale), kc, decay).astype(F32)
+            M = np.einsum("htd,hsd,htsd->hts", qc, kc, decay).astype(F32)
             rhs = bc[:, :, None] * np.concatenate([vc, kc * np.exp(G)], axis=2)  # [H, C, 2D]
             X = np.empty_like(rhs)
             for i in range(CHUNK):  # forward substitution through I + diag(b) A
                 X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
                                                                  X[:, :i])
-            rows = slice(c0, c0 + CHUNK)
-            gpu.view(g_cum, (t_pad, H, D), F32)[rows] = G.transpose(1, 0, 2)
-            gpu.view(u, (t_pad, H, D), F32)[rows] = X[:, :, :D].transpose(1, 0, 2)
-            gpu.view(w, (t_pad, H, D), F32)[rows] = X[:, :, D:].transpose(1, 0, 2)
+            full(u)[rows] = X[:, :, :D].transpose(1, 0, 2)
+            full(w)[rows] = X[:, :, D:].transpose(1, 0, 2)
             gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci] = M
     return run
 
 
 def _kda_chunk_inter(D):
-    def run(gpu, q, k, g_cum, w, u, aqk, state, core, t, t_pad, H, scale):
+    def run(gpu, qg, kd, gl, w, u, aqk, state, core, t, t_pad, H):
         S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
         St = S.transpose(0, 2, 1).copy()  # [h, k, v]
         out = gpu.view(core, (t_pad, H, D), F32)
         for ci in range(t_pad // CHUNK):
-            c0 = ci * CHUNK
-            valid = np.arange(c0, c0 + CHUNK) < t
-            qc, kc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k))
-            G, Wk, U = (gpu.view(p, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
-                        for p in (g_cum, w, u))
+            rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
+            Qg, Kd, Wk, U = (gpu.view(p, (t_pad, H, D), F32)[rows].transpose(1, 0, 2)
+                             for p in (qg, kd, w, u))
             M = gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci]
             Wm = U - Wk @ St  # [H, C, Dv]
-            o = (qc * F32(scale) * np.exp(G)) @ St + M @ Wm
-            out[c0:c0 + CHUNK] = np.where(valid[:, None, None], o.transpose(1, 0, 2), F32(0))
-            g_last = G[:, -1, :]  # rows past t carry no decay, so this is the last valid row's
-            St = (np.exp(g_last)[:, :, None] * St
-                  + (kc * np.exp(g_last[:, None, :] - G)).transpose(0, 2, 1) @ Wm).astype(F32)
+            o = Qg @ St + M @ Wm
+            valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t
+            out[rows] = np.where(valid[:, None, None], o.transpose(1, 0, 2), F32(0))
+            g_last = gpu.view(gl, (t_pad // CHUNK, H, D), F32)[ci]
+            St = (g_last[:, :, None] * St + Kd.transpose(0, 2, 1) @ Wm).astype(F32)
         S[...] = St.transpose(0, 2, 1)
     return run
 
@@ -216,10 +228,8 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "proj_gemv_bf16": proj_gemv_bf16,
              "lowrank_gate_gemv": lowrank_gate_gemv},
-    "pack": {"pack_qkv": pack_qkv, "widen_f32": widen_f32},
     "gate": {"kda_gate_beta": kda_gate_beta},
-    "conv": {"conv_prefill": conv_prefill,
-             "conv_roll_state": conv_roll_state, "l2_norm_bf16": l2_norm_bf16},
+    "conv": {"prefill_conv_qkv": prefill_conv_qkv, "conv_roll_state": conv_roll_state},
     "recurrent": {f"kda_decode_row_d{d}": _kda_decode_row(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},

@@ -7,16 +7,22 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig
 from .config import CHUNK, Glm5NextKdaConfig
 
-FAMILIES = ("gemv", "pack", "conv", "gate", "recurrent", "chunk", "norm")
+if TYPE_CHECKING:
+    from .workspace import Glm5NextKdaWorkspace
+
+FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 MAX_GEMV_ROWS = 8  # rows one dense_gemv_bf16 launch serves (decode_k's K at most)
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
 CHUNK_VS = 32  # state columns one kda_chunk_inter block carries (VS in chunk.cu)
+CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 i32, f32 = np.int32, np.float32
 
 
@@ -93,20 +99,6 @@ class Glm5NextKdaKernels:
         self.gpu.gemm_bf16(a, lda, w, c, ldc, m, n, k, stream)
 
     # -- element-wise ----------------------------------------------------------------------
-    def pack_qkv(self, stream: int, proj: DevicePtr, qkv_parts: DevicePtr, qkv_proj: DevicePtr,
-                 t: int) -> None:
-        """proj [t, proj_width] -> qkv_parts [3, t, qkv] and qkv_proj [t, conv_dim]."""
-        c = self.cfg
-        self._launch("pack", "pack_qkv", _cfg1d(t * c.conv_dim // 8),
-                     (proj, qkv_parts, qkv_proj, i32(t), i32(c.qkv), i32(c.proj_width)), stream)
-
-    def widen_f32(self, stream: int, conv_out: DevicePtr, q: DevicePtr, k: DevicePtr,
-                  v: DevicePtr, t: int, t_pad: int, pad_fill: float) -> None:
-        """conv_out [t, conv_dim] bf16 -> q/k/v [t_pad, qkv] fp32, rows >= t set to pad_fill."""
-        c = self.cfg
-        self._launch("pack", "widen_f32", _cfg1d(t_pad * c.conv_dim),
-                     (conv_out, q, k, v, i32(t), i32(t_pad), i32(c.qkv), f32(pad_fill)), stream)
-
     def kda_gate_beta(self, stream: int, g_raw: DevicePtr, b_raw: DevicePtr, ldb: int,
                       a_log: DevicePtr, dt_bias: DevicePtr, gate: DevicePtr, beta: DevicePtr,
                       t: int, t_pad: int) -> None:
@@ -120,23 +112,23 @@ class Glm5NextKdaKernels:
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
 
     # -- conv ------------------------------------------------------------------------------
-    def conv_prefill(self, stream: int, x: DevicePtr, conv_state: DevicePtr, conv_w: DevicePtr,
-                     out: DevicePtr, t: int) -> None:
-        """t tokens: conv + SiLU -> out [t, conv_dim] bf16, then the state rolls to the
-        last W-1 rows of (state ++ x)."""
+    def prefill_conv_qkv(self, stream: int, proj: DevicePtr, conv_state: DevicePtr,
+                         conv_w: DevicePtr, qkv_proj: DevicePtr, qkv_parts: DevicePtr,
+                         conv_out: DevicePtr, q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int,
+                         pad_fill: float) -> None:
+        """Prefill over t tokens of proj's q|k|v columns: qkv_proj [t, conv_dim] and
+        qkv_parts [3, t, qkv] (the inputs), conv_out (conv + SiLU to bf16, then q/k L2
+        normalised to bf16 again) and its fp32 widening q/k/v [t_pad, qkv] with rows >= t set
+        to pad_fill; then the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
         c = self.cfg
-        args = (x, conv_state, conv_w, out, i32(t), i32(c.conv_dim), i32(c.conv_kernel))
-        self._launch("conv", "conv_prefill", _cfg1d(t * c.conv_dim), args, stream)
+        t_pad = c.t_pad(t)
+        cfg = LaunchConfig((_blocks(t_pad * 3 * c.num_heads, THREADS // 32), 1, 1), (THREADS, 1, 1))
+        self._launch("conv", "prefill_conv_qkv", cfg,
+                     (proj, i32(c.proj_width), conv_state, conv_w, qkv_proj, qkv_parts, conv_out,
+                      q, k, v, i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim),
+                      i32(c.conv_kernel), f32(pad_fill)), stream)
         self._launch("conv", "conv_roll_state", _cfg1d(c.conv_dim),
-                     (x, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
-
-    def l2_norm_bf16(self, stream: int, x: DevicePtr, t: int) -> None:
-        """In place on the q|k heads of x [t, conv_dim] bf16: x / sqrt(sum x^2 + 1e-6)."""
-        c = self.cfg
-        nvec = t * 2 * c.num_heads
-        cfg = LaunchConfig((_blocks(nvec, THREADS // 32), 1, 1), (THREADS, 1, 1))
-        self._launch("conv", "l2_norm_bf16", cfg,
-                     (x, i32(t), i32(c.conv_dim), i32(2 * c.num_heads), i32(c.head_dim)), stream)
+                     (qkv_proj, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
 
     # -- core ------------------------------------------------------------------------------
     def kda_decode_row(self, stream: int, x_row: DevicePtr, conv_state: DevicePtr,
@@ -153,23 +145,27 @@ class Glm5NextKdaKernels:
                       out_gate_row, o_norm_w, o_norm_row, i32(c.num_heads), i32(c.conv_kernel),
                       f32(c.scale), f32(c.rms_norm_eps)), stream)
 
-    def kda_chunk(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr, gate: DevicePtr,
-                  beta: DevicePtr, g_cum: DevicePtr, w: DevicePtr, u: DevicePtr, aqk: DevicePtr,
-                  state: DevicePtr, core: DevicePtr, t: int, t_pad: int) -> None:
-        """The chunked (WY) core over t tokens: `kda_chunk_intra` builds each chunk's
-        g_cum, w, u and aqk in parallel; `kda_chunk_inter` walks the chunks carrying
-        state [H, Dv, Dk] and writes core [t_pad, H, D]. Rows >= t are never read."""
+    def kda_chunk(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr, t: int) -> None:
+        """The chunked (WY) core over t tokens of ws.q_f32/k_f32/v_f32/gate/beta:
+        `kda_chunk_intra` builds every chunk's WY factors in parallel into the workspace's
+        private chunk_* buffers; `kda_chunk_inter` walks the chunks carrying state
+        [H, Dv, Dk] fp32 (read and written back) and writes ws.core [t_pad, H, D]. Rows >= t
+        are never read."""
         c = self.cfg
-        D, n_chunks = c.head_dim, t_pad // CHUNK
-        common = (i32(t), i32(t_pad), i32(c.num_heads), f32(c.scale))
-        intra_smem = 4 * (3 * CHUNK * (D + 1) + CHUNK * (CHUNK + 1) + CHUNK)
+        D, t_pad = c.head_dim, c.t_pad(t)
+        H, ptr = c.num_heads, ws.ptr
+        intra_smem = 4 * (3 * CHUNK * (D + 1) + CHUNK * CHUNK_AP + CHUNK)
         self._launch("chunk", f"kda_chunk_intra_d{D}",
-                     LaunchConfig((n_chunks, c.num_heads, 1), (THREADS, 1, 1), intra_smem),
-                     (q, k, v, gate, beta, g_cum, w, u, aqk) + common, stream)
-        inter_smem = 4 * (3 * CHUNK * D + CHUNK * CHUNK + CHUNK * CHUNK_VS + D * CHUNK_VS + D)
+                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1), intra_smem),
+                     (ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ptr("chunk_qg"),
+                      ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"), ptr("chunk_u"),
+                      ptr("chunk_aqk"), i32(t), i32(t_pad), i32(H), f32(c.scale)), stream)
+        inter_smem = 4 * (CHUNK * (D + 4) + CHUNK * CHUNK_AP + CHUNK * CHUNK_VS + D * CHUNK_VS + D)
         self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((c.num_heads, D // CHUNK_VS, 1), (THREADS, 1, 1), inter_smem),
-                     (q, k, g_cum, w, u, aqk, state, core) + common, stream)
+                     LaunchConfig((H, D // CHUNK_VS, 1), (THREADS, 1, 1), inter_smem),
+                     (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
+                      ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
+                      i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,

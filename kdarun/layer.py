@@ -115,7 +115,7 @@ class Glm5NextKdaLayer:
         self._ws_stage(gpu, stream, ws, "final_out", "dense_gemv_bf16", t)
 
     # -- prefill pieces --------------------------------------------------------------------
-    def _prefill_gates_and_pack(self, gpu, t: int, t_pad: int, ws, stream) -> None:
+    def _prefill_gates(self, gpu, t: int, t_pad: int, ws, stream) -> None:
         c, w, kn = self.cfg, self.weights, self.kernels
         proj = ws.ptr("proj")
         f_a = proj + c.conv_dim * BF16.itemsize
@@ -125,9 +125,6 @@ class Glm5NextKdaLayer:
         kn.gemm_bf16(stream, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv, t, c.qkv, c.rank)
         self._ws_stage(gpu, stream, ws, "g_raw", "gemm_bf16", t)
         self._ws_stage(gpu, stream, ws, "out_gate", "gemm_bf16", t)
-        kn.pack_qkv(stream, proj, ws.qkv_parts, ws.qkv_proj, t)
-        self._ws_stage(gpu, stream, ws, "qkv_parts", "pack_qkv", t)
-        self._ws_stage(gpu, stream, ws, "qkv_proj", "pack_qkv", t)
         kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.proj_width, w.a_log, w.dt_bias, ws.gate,
                          ws.beta, t, t_pad)
         self._ws_stage(gpu, stream, ws, "gate", "kda_gate_beta", t)
@@ -177,16 +174,12 @@ class Glm5NextKdaLayer:
         t_pad = c.t_pad(t)
         kn.gemm_bf16(stream, hidden, c.hidden_size, w.w_in, ws.ptr("proj"), c.proj_width, t,
                      c.proj_rows, c.hidden_size)
-        self._prefill_gates_and_pack(gpu, t, t_pad, ws, stream)
-        kn.conv_prefill(stream, ws.qkv_proj, state.conv, w.conv_w, ws.conv_out, t)
-        kn.l2_norm_bf16(stream, ws.conv_out, t)
-        self._ws_stage(gpu, stream, ws, "conv_out", "l2_norm_bf16", t)
-        kn.widen_f32(stream, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, t_pad, pad_fill)
-        for name in ("q_f32", "k_f32", "v_f32"):
-            self._ws_stage(gpu, stream, ws, name, "widen_f32", t)
-        kn.kda_chunk(stream, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ws.ptr("chunk_g"),
-                     ws.ptr("chunk_w"), ws.ptr("chunk_u"), ws.ptr("chunk_aqk"), state.recurrent,
-                     ws.core, t, t_pad)
+        self._prefill_gates(gpu, t, t_pad, ws, stream)
+        kn.prefill_conv_qkv(stream, ws.ptr("proj"), state.conv, w.conv_w, ws.qkv_proj,
+                            ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, pad_fill)
+        for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
+            self._ws_stage(gpu, stream, ws, name, "prefill_conv_qkv", t)
+        kn.kda_chunk(stream, ws, state.recurrent, t)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
         self._state_stage(gpu, stream, state, "kda_chunk_inter")
         kn.gated_rmsnorm(stream, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, t)
