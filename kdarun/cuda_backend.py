@@ -132,13 +132,14 @@ class CupyBackend(GpuBackend):
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:
-        # Row-major c[m, n] = a[m, k] w[n, k]^T is column-major c^T = op_T(w) a^T.
+        # Row-major c[m, n] = a[m, k] w[n, k]^T is column-major c^T = op_T(w) a^T. CuPy's
+        # wrappers point the handle at CuPy's current stream on every call, so the caller's
+        # stream must be made current, not set on the handle.
         from cupy.cuda import cublas
-        handle = self._device.cublas_handle
-        cublas.setStream(handle, int(stream))
-        cublas.gemmEx(handle, _OP_T, _OP_N, n, m, k, self._alpha.ctypes.data, int(w),
-                      _CUDA_R_16BF, k, int(a), _CUDA_R_16BF, lda, self._beta.ctypes.data, int(c),
-                      _CUDA_R_16BF, ldc, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP)
+        with self.stream_obj(stream):
+            cublas.gemmEx(self._device.cublas_handle, _OP_T, _OP_N, n, m, k, self._alpha.ctypes.data, int(w),
+                          _CUDA_R_16BF, k, int(a), _CUDA_R_16BF, lda, self._beta.ctypes.data,
+                          int(c), _CUDA_R_16BF, ldc, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP)
 
 
 class _Module:

