@@ -48,6 +48,8 @@ def median_ms(gpu: GpuBackend, fn: Callable[[], None], stream: int, reps: int,
 class Ceilings:
     copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
     gemm_tflops: float  # bf16 GEMM through gemm_bf16, 8192^3
+    gemm_max_err: float  # of 4 rows of that product against NumPy; a ceiling from a wrong
+    #                      product is no ceiling
 
 
 def measure_ceilings(gpu: GpuBackend, stream: int) -> Ceilings:
@@ -66,13 +68,10 @@ def measure_ceilings(gpu: GpuBackend, stream: int) -> Ceilings:
     rows = gpu.download(c, (4, s), BF16, stream).astype(np.float32)
     xs = gpu.download(x, (4, s), BF16, stream).astype(np.float32)
     ws_ = gpu.download(w, (s, s), BF16, stream).astype(np.float32)
-    ref = xs @ ws_.T
-    if not np.allclose(rows, ref, rtol=2e-2, atol=0.5):
-        raise KdaError(f"bench: gemm_bf16 ceiling run gave wrong products (max diff "
-                       f"{np.abs(rows - ref).max():.3g})")
+    err = float(np.abs(rows - xs @ ws_.T).max())
     for p in (x, w, c):
         gpu.free(p)
-    return Ceilings(2 * n / ms / 1e6, 2 * s ** 3 / gms / 1e9)
+    return Ceilings(2 * n / ms / 1e6, 2 * s ** 3 / gms / 1e9, err)
 
 
 def _bound_layers(gpu: GpuBackend, cfg: Glm5NextKdaConfig, n: int, seed: int, stream: int):

@@ -90,7 +90,8 @@ def main() -> int:
     if "ceilings" in report:
         c = report["ceilings"]
         print(f"ceilings (this run): copy {c['copy_gbps']:.0f} GB/s, bf16 GEMM "
-              f"{c['gemm_tflops']:.0f} TFLOP/s; fla importable: {report['fla']}")
+              f"{c['gemm_tflops']:.0f} TFLOP/s (max abs error of its product "
+              f"{c['gemm_max_err']:.3g}); fla importable: {report['fla']}")
     w = max((len(a) + len(b) for a, b, _ in rows), default=0) + 1
     for a, b, c in rows:
         print(f"{(a + ' ' + b).ljust(w)}  {c}")
