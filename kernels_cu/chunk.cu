@@ -14,6 +14,7 @@
 #include "common.cuh"
 
 #define CH 64
+#define THREADS 256  // every chunk kernel runs 256 threads (kernels.py launches them so)
 #define VS 32   // state columns one inter block carries
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
@@ -35,13 +36,26 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     float* Bs = A + CH * AP;
     const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int c0 = ci * CH;
-    for (int i = tid; i < CH * D; i += blockDim.x) {
-        const int r = i / D, d = i % D, t = c0 + r;
-        const bool ok = t < T;
-        const u64 g = ((u64)t * H + h) * D + d;
-        Ks[r * P + d] = pick(ok, k[g]);
-        Qs[r * P + d] = pick(ok, q[g]) * scale;
-        Gs[r * P + d] = pick(ok, gate[g]);
+    constexpr int LOADS = CH * D / THREADS, BATCH = 8;  // BATCH x 3 loads in flight a thread
+#pragma unroll
+    for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
+        float kv[BATCH], qv[BATCH], gv[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = tid + (b0 + j) * THREADS, t = c0 + i / D;
+            const u64 g = ((u64)t * H + h) * D + i % D;
+            kv[j] = k[g];
+            qv[j] = q[g];
+            gv[j] = gate[g];
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int i = tid + (b0 + j) * THREADS, r = i / D, d = i % D;
+            const bool ok = c0 + r < T;
+            Ks[r * P + d] = pick(ok, kv[j]);
+            Qs[r * P + d] = pick(ok, qv[j]) * scale;
+            Gs[r * P + d] = pick(ok, gv[j]);
+        }
     }
     if (tid < CH) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
     __syncthreads();
@@ -107,15 +121,24 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     }
 }
 
-// Copy rows [c0, c0+CH) of one head of a [T_pad, H, D] fp32 buffer (columns [col0, col0+n))
-// into shared memory rows of stride ld, 16 bytes a thread.
+// Copy rows [c0, c0+CH) of one head of a [T_pad, H, D] fp32 buffer (columns [col0, col0+N))
+// into shared memory rows of stride ld. The trip count is a compile-time constant, so every
+// thread issues all its 16-byte loads before its first store: one memory latency a stage,
+// not one per iteration.
+template <int N>
 __device__ __forceinline__ void stage_rows(float* dst, int ld, const float* __restrict__ src,
-                                           int c0, int h, int H, int D, int col0, int n) {
-    const int per_row = n / 4;
-    for (int i = threadIdx.x; i < CH * per_row; i += blockDim.x) {
-        const int r = i / per_row, q4 = (i % per_row) * 4;
-        *reinterpret_cast<float4*>(dst + r * ld + q4) =
-            __ldg(reinterpret_cast<const float4*>(src + ((u64)(c0 + r) * H + h) * D + col0 + q4));
+                                           int c0, int h, int H, int D, int col0) {
+    constexpr int PER_ROW = N / 4, ITER = CH * PER_ROW / THREADS;
+    float4 v[ITER];
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const int i = threadIdx.x + it * THREADS, r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
+        v[it] = __ldg(reinterpret_cast<const float4*>(src + ((u64)(c0 + r) * H + h) * D + col0 + q4));
+    }
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const int i = threadIdx.x + it * THREADS, r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
+        *reinterpret_cast<float4*>(dst + r * ld + q4) = v[it];
     }
 }
 
@@ -143,8 +166,8 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
     for (int c0 = 0; c0 < T_pad; c0 += CH) {
         const int ci = c0 / CH;
         __syncthreads();
-        stage_rows(buf, BP, w_in, c0, h, H, D, 0, D);
-        stage_rows(Wm, VS, u_in, c0, h, H, D, v0, VS);
+        stage_rows<D>(buf, BP, w_in, c0, h, H, D, 0);
+        stage_rows<VS>(Wm, VS, u_in, c0, h, H, D, v0);
         if (tid < D) gls[tid] = gl[((u64)ci * H + h) * D + tid];
         __syncthreads();
         // W = u - w S: rows r0, r0+1, columns c4..c4+3 of this thread
@@ -168,11 +191,19 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
                 make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
         __syncthreads();
         // O = qg S + Aqk W (Aqk is zero above the diagonal)
-        stage_rows(buf, BP, qg, c0, h, H, D, 0, D);
-        for (int i = tid; i < CH * CH / 4; i += blockDim.x) {
-            const int r = i / (CH / 4), q4 = (i % (CH / 4)) * 4;
-            *reinterpret_cast<float4*>(Ms + r * AP + q4) = __ldg(reinterpret_cast<const float4*>(
-                aqk + (((u64)ci * H + h) * CH + r) * CH + q4));
+        stage_rows<D>(buf, BP, qg, c0, h, H, D, 0);
+        {
+            constexpr int ITER = CH * CH / 4 / THREADS;
+            float4 m4[ITER];
+            const float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
+#pragma unroll
+            for (int it = 0; it < ITER; ++it)
+                m4[it] = __ldg(reinterpret_cast<const float4*>(Mg) + tid + it * THREADS);
+#pragma unroll
+            for (int it = 0; it < ITER; ++it) {
+                const int i = tid + it * THREADS;
+                *reinterpret_cast<float4*>(Ms + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4) = m4[it];
+            }
         }
         __syncthreads();
 #pragma unroll
@@ -205,7 +236,7 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
         }
         __syncthreads();
         // S = gl S + kd^T W: rows RPT*rg.., columns c4..c4+3 of this thread
-        stage_rows(buf, BP, kd, c0, h, H, D, 0, D);
+        stage_rows<D>(buf, BP, kd, c0, h, H, D, 0);
         __syncthreads();
         const int d0 = RPT * rg;
         float sacc[RPT][4];
@@ -236,13 +267,13 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
 }
 
 #define KDA_CHUNK(D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) kda_chunk_intra_d##D(                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) kda_chunk_intra_d##D(                    \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
         float* qg, float* kd, float* gl, float* w, float* u, float* aqk, int T, int T_pad,     \
         int H, float scale) {                                                                  \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) kda_chunk_inter_d##D(                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) kda_chunk_inter_d##D(                    \
         const float* qg, const float* kd, const float* gl, const float* w, const float* u,     \
         const float* aqk, float* state, float* core, int T, int T_pad, int H) {                \
         chunk_inter<D>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                       \

@@ -4,6 +4,7 @@
 #include "common.cuh"
 
 #define WARPS 8
+#define MAX_W 8  // the config allows conv widths up to 8
 
 // One warp per (token, q/k/v head vector of D channels), reading q|k|v straight from the
 // packed projection proj [T, ldp]. It writes every buffer the stages expose in one pass:
@@ -34,7 +35,9 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
         if (e >= D / 32) break;
         const int c = vec * D + lane + 32 * e;
         float acc = 0.0f;
-        for (int j = 0; j < W; ++j) {
+#pragma unroll
+        for (int j = 0; j < MAX_W; ++j) {  // unrolled so every tap's load is in flight at once
+            if (j >= W) break;
             const int r = t + j - (W - 1);
             const bf16 x = r < 0 ? state[(u64)(W - 1 + r) * conv_dim + c] : proj[(u64)r * ldp + c];
             acc = __fmaf_rn(w[(u64)j * conv_dim + c], bf2f(x), acc);

@@ -1,12 +1,13 @@
 // One decode token of one head, fused: conv (+SiLU, +L2 of q and k), the delta-rule step
 // and the gated RMSNorm. One block per head, so the L2 and RMS reductions stay in the block
 // and the whole token costs one launch. The state [H, Dv, Dk] fp32 is the only large traffic:
-// each warp owns 8 rows and loads all of them before the first use (memory-level
-// parallelism), and writes them back once. q, k, v enter the step as the bf16 values written
+// each warp owns 8 rows, loads them before anything else (memory-level parallelism) and
+// writes them back once. q, k, v enter the step as the bf16 values written
 // to conv_out, so decode and the stage dumps see the same operands.
 #include "common.cuh"
 
 #define ROWS_PER_WARP 8
+#define MAX_W 8  // the config allows conv widths up to 8
 
 template <int D>
 __device__ __forceinline__ void decode_row(
@@ -20,20 +21,35 @@ __device__ __forceinline__ void decode_row(
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
+    // Every load that depends on nothing is issued first, so the state rows' latency overlaps
+    // the conv's: this warp's rows of the state, then the taps of this thread's channel.
+    float* S = state + (u64)h * D * D;
+    float s[ROWS_PER_WARP][E];
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int e = 0; e < E; ++e) s[r][e] = S[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e];
     float y = 0.0f;
     if (p < 3) {
         const int c = p * qkv + h * D + d;
+        bf16 tap[MAX_W];
+        float wt[MAX_W];
+#pragma unroll
+        for (int j = 0; j < MAX_W; ++j) {
+            if (j >= W) break;
+            wt[j] = conv_w[(u64)j * conv_dim + c];
+            tap[j] = j < W - 1 ? conv_state[(u64)j * conv_dim + c] : x[c];
+        }
         float acc = 0.0f;
-        for (int j = 0; j < W - 1; ++j)
-            acc = __fmaf_rn(conv_w[(u64)j * conv_dim + c], bf2f(conv_state[(u64)j * conv_dim + c]), acc);
-        const bf16 xc = x[c];
-        acc = __fmaf_rn(conv_w[(u64)(W - 1) * conv_dim + c], bf2f(xc), acc);
-        for (int j = 0; j < W - 2; ++j)
-            conv_state[(u64)j * conv_dim + c] = conv_state[(u64)(j + 1) * conv_dim + c];
-        conv_state[(u64)(W - 2) * conv_dim + c] = xc;
+#pragma unroll
+        for (int j = 0; j < MAX_W; ++j)
+            if (j < W) acc = __fmaf_rn(wt[j], bf2f(tap[j]), acc);
+#pragma unroll
+        for (int j = 0; j < MAX_W - 1; ++j)  // roll from registers: no reload
+            if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j + 1];
         y = acc * sigmoidf_(acc);
-        const float s = warp_sum(y * y);  // a warp never straddles q/k/v: D % 32 == 0
-        if (lane == 0) part[warp] = s;
+        const float sq = warp_sum(y * y);  // a warp never straddles q/k/v: D % 32 == 0
+        if (lane == 0) part[warp] = sq;
     } else {
         gx[d] = expf(gate[h * D + d]);
     }
@@ -50,12 +66,6 @@ __device__ __forceinline__ void decode_row(
     }
     __syncthreads();
     const float b = beta[h];
-    float* S = state + (u64)h * D * D;
-    float s[ROWS_PER_WARP][E];
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
-#pragma unroll
-        for (int e = 0; e < E; ++e) s[r][e] = S[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e];
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const int j = warp * ROWS_PER_WARP + r;
