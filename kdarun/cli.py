@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -14,8 +12,8 @@ from . import synthetic
 from .backend import KdaError, open_backend
 from .checkpoint import TENSORS, Checkpoint, tensor_name
 from .loader import load_stack
-from .run import (RunPlan, compare, random_hidden, read_hidden, reference_run, run_layer,
-                  write_output)
+from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,
+                  reference_run, run_layer, write_output)
 
 E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
 
@@ -50,22 +48,21 @@ def main() -> None:
 @click.option("--output", "output_path", type=click.Path(dir_okay=False),
               help="Write final_out (and states, for .safetensors) here.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input.")
+@click.option("--dump-stages", "dump_dir", type=click.Path(file_okay=False),
+              help="Write every stage of the run, in order, to this directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
-              seed, as_json) -> None:
+              seed, dump_dir, as_json) -> None:
     """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
 
     With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
-    with ExitStack() as stack_ctx:
-        try:
-            if checkpoint is None:
-                tmp = stack_ctx.enter_context(tempfile.TemporaryDirectory(prefix="kdarun-demo-"))
-                checkpoint = str(synthetic.write_checkpoint(tmp, synthetic.demo_config(), seed=0))
-                ckpt_label = "built-in demo (tiny preset, softplus gate)"
-            else:
-                ckpt_label = checkpoint
-            gpu = open_backend(backend, announce=not as_json)
-            ckpt = Checkpoint(checkpoint)
+    from .stages import StageRecorder, write_dump
+    run: dict = {"checkpoint": {"demo": DEMO} if checkpoint is None
+                 else {"path": str(Path(checkpoint).resolve())}}
+    try:
+        gpu = open_backend(backend, announce=not as_json)
+        with open_run_checkpoint(run) as ckpt_path:
+            ckpt = Checkpoint(ckpt_path)
             cfg = ckpt.config
             layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
             hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
@@ -75,19 +72,30 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             plan.check()
             if hidden is None:
                 hidden = random_hidden(plan.total, cfg.hidden_size, seed)
-            stack = load_stack(gpu, checkpoint, max(plan.prefill, plan.k, 1), [layer_idx])
-            result = run_layer(gpu, stack, layer_idx, hidden, plan)
-            ref = reference_run(stack, layer_idx, hidden[:plan.total])
-        except KdaError as e:
-            _fail(e)
-        out_err = compare(result.final_out, ref.stages["final_out"])
-        state_err = compare(result.recurrent_state, ref.recurrent_state)
-        ok = out_err.ok(E2E_TOL) and state_err.ok(E2E_TOL)
+            hidden = hidden[:plan.total]
+            stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx])
+            recorder = StageRecorder() if dump_dir else None
+            result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
+            ref = reference_run(stack, layer_idx, hidden)
+        run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
+                   plan=vars(plan), config=cfg.to_hf(),
+                   input={"path": str(Path(input_path).resolve())} if input_path else "random",
+                   command=" ".join(["kdarun", "layer-run"] + ([checkpoint] if checkpoint else [])
+                                    + ["--layer", str(layer_idx), "--tokens", str(plan.prefill),
+                                       "--decode-steps", str(plan.decode_steps), "--k",
+                                       str(plan.k), "--backend", gpu.name, "--seed", str(seed)]
+                                    + (["--input", input_path] if input_path else [])))
+        if recorder is not None:
+            write_dump(dump_dir, recorder, hidden, run)
         if output_path:
-            try:
-                write_output(output_path, result)
-            except KdaError as e:
-                _fail(e)
+            write_output(output_path, result)
+    except KdaError as e:
+        _fail(e)
+    out_err = compare(result.final_out, ref.stages["final_out"])
+    state_err = compare(result.recurrent_state, ref.recurrent_state)
+    ok = out_err.ok(E2E_TOL) and state_err.ok(E2E_TOL)
+    ckpt_label = f"built-in demo ({DEMO['preset']} preset, {DEMO['gate']} gate)" \
+        if checkpoint is None else checkpoint
     mode = " + ".join(f"{name} {n}" for name, n in (("prefill", plan.prefill),
                                                     ("decode", plan.decode_steps),
                                                     ("decode_k", plan.k)) if n)
@@ -95,9 +103,9 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         click.echo(json.dumps({
             "backend": gpu.name, "device": gpu.device_name, "checkpoint": ckpt_label,
             "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
-            "wall_ms": result.wall_ms,
-            "final_out": vars(out_err), "recurrent_state": vars(state_err),
-            "tolerance": E2E_TOL, "ok": ok}, indent=2))
+            "wall_ms": result.wall_ms, "final_out": vars(out_err),
+            "recurrent_state": vars(state_err), "tolerance": E2E_TOL, "ok": ok,
+            "dump": dump_dir}, indent=2))
     else:
         wall = ", ".join(f"{p} {ms:.2f} ms" for p, ms in result.wall_ms.items())
         click.echo("kdarun layer-run")
@@ -108,12 +116,34 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                       f"D={cfg.head_dim}, hidden={cfg.hidden_size})"),
             ("mode", mode),
             ("tokens", str(plan.total)),
-            ("wall time", wall),
+            ("wall time", wall + (" (with stage dumps)" if dump_dir else "")),
             ("final_out vs float64", f"rel {out_err.rel:.3e}  max-abs {out_err.max_abs:.3e}"),
             ("state vs float64", f"rel {state_err.rel:.3e}  max-abs {state_err.max_abs:.3e}"),
             ("result", f"{'PASS' if ok else 'FAIL'} (tolerance rel < {E2E_TOL:g}, no NaN/Inf)"),
-        ]))
+        ] + ([("stages", f"{len(recorder.records)} written to {dump_dir}")] if dump_dir else [])))
     if not ok:
+        sys.exit(1)
+
+
+@main.command("stages")
+@click.argument("dump", type=click.Path(file_okay=False))
+@click.option("--against", "against", type=click.Path(file_okay=False),
+              help="Another dump of the same run (e.g. the other backend).")
+@click.option("--reference", "use_reference", is_flag=True,
+              help="Compare with the float64 reference fed the dumped input.")
+@click.option("--only", multiple=True, help="Only these stages (key or buffer name); repeatable.")
+@click.option("--json", "as_json", is_flag=True)
+def stages_cmd(dump, against, use_reference, only, as_json) -> None:
+    """Per-stage error of a stage dump; exits 1 when a stage is past its tolerance."""
+    from .stages import compare_stages
+    if bool(against) == use_reference:
+        raise click.ClickException("pass exactly one of --against OTHER_DIR or --reference")
+    try:
+        table = compare_stages(dump, against, list(only) or None)
+    except KdaError as e:
+        _fail(e)
+    click.echo(json.dumps(table.to_json(), indent=2) if as_json else table.format())
+    if not table.ok:
         sys.exit(1)
 
 

@@ -66,14 +66,17 @@ class Glm5NextKdaLayer:
         self.stage_hook(Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis),
                         gpu, stream)
 
-    def _state_stage(self, gpu, stream, state: KdaSeqState, kernel: str, suffix: str = "") -> None:
+    def _state_stage(self, gpu, stream, state: KdaSeqState, kernel: str, suffix: str = "",
+                     which: tuple[str, ...] = ("recurrent", "conv")) -> None:
         if self.stage_hook is None:
             return
         cfg = self.cfg
-        self.stage_hook(Stage(f"state.recurrent{suffix}", kernel, state.recurrent,
-                              recurrent_shape(cfg), F32, cfg.num_heads), gpu, stream)
-        self.stage_hook(Stage(f"state.conv{suffix}", kernel, state.conv, conv_shape(cfg), BF16,
-                              cfg.conv_kernel - 1), gpu, stream)
+        if "recurrent" in which:
+            self.stage_hook(Stage(f"state.recurrent{suffix}", kernel, state.recurrent,
+                                  recurrent_shape(cfg), F32, cfg.num_heads), gpu, stream)
+        if "conv" in which:
+            self.stage_hook(Stage(f"state.conv{suffix}", kernel, state.conv, conv_shape(cfg),
+                                  BF16, cfg.conv_kernel - 1), gpu, stream)
 
     # -- decode pieces ---------------------------------------------------------------------
     def front_end(self, gpu: GpuBackend, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace,
@@ -179,9 +182,10 @@ class Glm5NextKdaLayer:
                             ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, pad_fill)
         for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
             self._ws_stage(gpu, stream, ws, name, "prefill_conv_qkv", t)
+        self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
         kn.kda_chunk(stream, ws, state.recurrent, t)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
-        self._state_stage(gpu, stream, state, "kda_chunk_inter")
+        self._state_stage(gpu, stream, state, "kda_chunk_inter", which=("recurrent",))
         kn.gated_rmsnorm(stream, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, t)
         self._ws_stage(gpu, stream, ws, "o_norm_out", "gated_rmsnorm", t)
         kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,

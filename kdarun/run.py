@@ -3,16 +3,18 @@ against the float64 reference. The CLI's `layer-run` is a thin shell over this."
 
 from __future__ import annotations
 
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
 
-from . import reference
+from . import reference, synthetic
 from .backend import GpuBackend, KdaError
-from .layer import StageHook
 from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
 from .workspace import BF16
@@ -91,9 +93,29 @@ def write_output(path: str | Path, result: RunResult) -> None:
         raise KdaError(f"{path}: output must be .npy or .safetensors")
 
 
+DEMO = {"preset": "tiny", "gate": "softplus", "layers": 4, "seed": 0}
+
+
+@contextmanager
+def open_run_checkpoint(run: dict[str, Any]) -> Iterator[str]:
+    """The checkpoint directory a run description names: its path, or the built-in demo
+    regenerated (seeded, so bit-identical) in a temporary directory."""
+    ck = run["checkpoint"]
+    if "demo" in ck:
+        d = ck["demo"]
+        with tempfile.TemporaryDirectory(prefix="kdarun-demo-") as tmp:
+            cfg = synthetic.preset_config(d["preset"], d["gate"], d["layers"])
+            yield str(synthetic.write_checkpoint(tmp, cfg, seed=d["seed"]))
+    else:
+        if not Path(ck["path"]).is_dir():
+            raise KdaError(f"checkpoint {ck['path']} of this run is not there any more")
+        yield ck["path"]
+
+
 def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarray,
-              plan: RunPlan, stream: int = 0, hook: StageHook | None = None) -> RunResult:
-    """Run `plan` through one layer from a zero state; hidden [>= plan.total, hidden] bf16."""
+              plan: RunPlan, stream: int = 0, recorder=None) -> RunResult:
+    """Run `plan` through one layer from a zero state; hidden [>= plan.total, hidden] bf16.
+    A `recorder` (stages.StageRecorder) sees every stage, keyed by call."""
     plan.check()
     layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
     if hidden.shape[0] < plan.total:
@@ -104,9 +126,11 @@ def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarr
     state = KdaSeqState(gpu, cfg, stream)
     outs: list[np.ndarray] = []
     wall: dict[str, float] = {}
-    layer.stage_hook = hook
+    layer.stage_hook = recorder
     try:
-        def timed(phase: str, fn, n_out: int) -> None:
+        def timed(phase: str, fn, n_out: int, call: str) -> None:
+            if recorder is not None:
+                recorder.begin(call)
             ws.poison(stream)
             gpu.synchronize(stream)
             t0 = time.perf_counter()
@@ -118,16 +142,17 @@ def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarr
         pos = 0
         if plan.prefill:
             timed("prefill", lambda: layer.prefill(gpu, h_dev, plan.prefill, state, ws, stream),
-                  plan.prefill)
+                  plan.prefill, "prefill")
             pos = plan.prefill
-        for _ in range(plan.decode_steps):
+        for i in range(plan.decode_steps):
             p = pos
-            timed("decode", lambda: layer.decode(gpu, h_dev + p * row, state, ws, stream), 1)
+            timed("decode", lambda: layer.decode(gpu, h_dev + p * row, state, ws, stream), 1,
+                  f"decode.{i}")
             pos += 1
         if plan.k:
             p = pos
             timed("decode_k", lambda: layer.decode_k(gpu, h_dev + p * row, plan.k, state, ws, (),
-                                                     stream), plan.k)
+                                                     stream), plan.k, "decode_k")
         rec, conv = state.download(stream)
     finally:
         layer.stage_hook = None

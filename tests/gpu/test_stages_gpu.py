@@ -1,0 +1,24 @@
+"""CUDA and host stage dumps of the same run agree stage by stage: prefill, decode, decode_k."""
+
+from __future__ import annotations
+
+from kdarun.loader import load_stack
+from kdarun.run import RunPlan, random_hidden, run_layer
+from kdarun.stages import StageRecorder, compare_stages, write_dump
+
+
+def test_cuda_and_host_dumps_agree(cuda, host, gpu_ckpts, tmp_path):
+    for name in ("bounded", "d128"):
+        dumps = []
+        for gpu in (cuda, host):
+            stack = load_stack(gpu, gpu_ckpts[name], 200, [1])
+            h = random_hidden(206, stack.cfg.hidden_size, 3)
+            rec = StageRecorder()
+            run_layer(gpu, stack, 1, h, RunPlan(200, 2, 4), recorder=rec)
+            run = {"checkpoint": {"path": gpu_ckpts[name]}, "layer": 1, "backend": gpu.name,
+                   "plan": {"prefill": 200, "decode_steps": 2, "k": 4},
+                   "config": stack.cfg.to_hf()}
+            dumps.append(write_dump(tmp_path / f"{name}-{gpu.name}", rec, h, run))
+        table = compare_stages(dumps[0], dumps[1])
+        assert table.ok, table.format()
+        assert len(table.rows) > 50
