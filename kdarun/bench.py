@@ -101,6 +101,7 @@ class DecodeResult:
     gbps: float
     frac_copy: float  # of the copy bandwidth measured in the same run
     fla_us: float | None = None
+    kernels_us: dict | None = None  # each launch of one layer call timed alone (eager)
 
 
 def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int) -> int:
@@ -135,6 +136,7 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     else:
         fn = step
     us = median_ms(gpu, fn, stream, reps) * 1e3 / DECODE_LAYERS
+    kernels = _decode_kernel_times(gpu, layers[0], states[0], ws, h, k, stream)
     nbytes = decode_bytes(cfg, layers[0].weights, k)
     gbps = nbytes / us / 1e3
     for layer in layers:
@@ -144,7 +146,24 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     ws.free()
     gpu.free(h)
     return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us, nbytes, gbps,
-                        gbps / ceil.copy_gbps)
+                        gbps / ceil.copy_gbps, kernels_us=kernels)
+
+
+def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k: int,
+                         stream: int) -> dict[str, float]:
+    """Microseconds of each launch of one decode(_k) call, each timed alone."""
+    c, w, kn = layer.cfg, layer.weights, layer.kernels
+    calls = {
+        "proj_gemv": lambda: kn.proj_gemv_bf16(stream, w.w_in, h, ws.ptr("proj"), ws.qkv_parts,
+                                               ws.qkv_proj, k),
+        "lowrank_gate_gemv": lambda: kn.lowrank_gate_gemv(
+            stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw, ws.out_gate,
+            ws.gate, ws.beta, k),
+        "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
+        "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
+                                                         ws.final_out, c.hidden_size, c.qkv, k),
+    }
+    return {name: median_ms(gpu, fn, stream, 50) * 1e3 for name, fn in calls.items()}
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 from .backend import KdaError
 
 CHUNK = 64  # C: the chunk length of the WY prefill
+MAX_DECODE_ROWS = 8  # decode_k's K at most: rows one GEMV launch and one decode walk serve
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 

@@ -139,20 +139,28 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
     X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
 
 
-# -- decode row (conv + recurrent step + gated norm) ------------------------------------------
-def _kda_decode_row(D):
-    def run(gpu, x_row, conv_state, conv_w, conv_out_row, gate_row, beta_row, state, core_row,
-            out_gate_row, o_norm_w, o_norm_row, H, W, scale, eps):
+# -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
+def _kda_decode_rows(D):
+    def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
+            o_norm_out, snap_rec, snap_conv, nrows, nsnap, H, W, scale, eps):
         qkv = H * D
-        _conv_decode(gpu, x_row, conv_state, conv_w, conv_out_row, 3 * qkv, qkv, W, D)
-        row = gpu.view(conv_out_row, 3 * qkv, BF).astype(F32)
-        q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
-        S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
-        S *= np.exp(gpu.view(gate_row, (H, D), F32))[:, None, :]
-        resid = v - np.einsum("hvk,hk->hv", S, k)
-        S += gpu.view(beta_row, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
-        gpu.view(core_row, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * F32(scale))
-        gated_rmsnorm(gpu, core_row, out_gate_row, o_norm_w, o_norm_row, 1, H, D, eps)
+        for r in range(nrows):
+            xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
+            _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)
+            row = gpu.view(cr, 3 * qkv, BF).astype(F32)
+            q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
+            S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
+            S *= np.exp(gpu.view(gate + r * qkv * 4, (H, D), F32))[:, None, :]
+            resid = v - np.einsum("hvk,hk->hv", S, k)
+            S += gpu.view(beta + r * H * 4, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
+            core_r = core + r * qkv * 4
+            gpu.view(core_r, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * F32(scale))
+            gated_rmsnorm(gpu, core_r, out_gate + r * qkv * 2, o_norm_w, o_norm_out + r * qkv * 2,
+                          1, H, D, eps)
+            if r < nsnap:
+                gpu.view(snap_rec, (nsnap, H, D, D), F32)[r] = S
+                gpu.view(snap_conv, (nsnap, W - 1, 3 * qkv), BF)[r] = \
+                    gpu.view(conv_state, (W - 1, 3 * qkv), BF)
     return run
 
 
@@ -230,7 +238,7 @@ HOST_KERNELS: dict[str, dict] = {
              "lowrank_gate_gemv": lowrank_gate_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "conv_roll_state": conv_roll_state},
-    "recurrent": {f"kda_decode_row_d{d}": _kda_decode_row(d) for d in (64, 128)},
+    "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},

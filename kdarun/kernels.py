@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig
-from .config import CHUNK, Glm5NextKdaConfig
+from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 if TYPE_CHECKING:
     from .workspace import Glm5NextKdaWorkspace
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
-MAX_GEMV_ROWS = 8  # rows one dense_gemv_bf16 launch serves (decode_k's K at most)
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
 CHUNK_VS = 32  # state columns one kda_chunk_inter block carries (VS in chunk.cu)
@@ -50,8 +49,8 @@ class Glm5NextKdaKernels:
 
     # -- projections ---------------------------------------------------------------------
     def _gemv_check(self, name: str, k: int, m: int, ldx: int) -> None:
-        if not 1 <= m <= MAX_GEMV_ROWS:
-            raise KdaError(f"{name}: rows must be in [1, {MAX_GEMV_ROWS}], got {m}")
+        if not 1 <= m <= MAX_DECODE_ROWS:
+            raise KdaError(f"{name}: rows must be in [1, {MAX_DECODE_ROWS}], got {m}")
         if k % 8 or ldx % 8 or ldx < k:
             raise KdaError(f"{name}: need k and ldx multiples of 8 with ldx >= k; "
                            f"got k={k} ldx={ldx}")
@@ -131,19 +130,27 @@ class Glm5NextKdaKernels:
                      (qkv_proj, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
 
     # -- core ------------------------------------------------------------------------------
-    def kda_decode_row(self, stream: int, x_row: DevicePtr, conv_state: DevicePtr,
-                       conv_w: DevicePtr, conv_out_row: DevicePtr, gate_row: DevicePtr,
-                       beta_row: DevicePtr, state: DevicePtr, core_row: DevicePtr,
-                       out_gate_row: DevicePtr, o_norm_w: DevicePtr, o_norm_row: DevicePtr) -> None:
-        """One decode token, one block per head: conv over the carried conv state + SiLU +
-        L2 of q/k (conv state rolled in place), the delta-rule step on state [H, Dv, Dk] fp32
-        (in place) and the gated RMSNorm -> o_norm_row."""
+    def kda_decode_rows(self, stream: int, x: DevicePtr, conv_state: DevicePtr,
+                        conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr, beta: DevicePtr,
+                        state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
+                        o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
+                        snap_conv: DevicePtr, nrows: int, nsnap: int) -> None:
+        """nrows decode tokens in order, one block per head, one launch: for each, conv over
+        the carried conv state + SiLU + L2 of q/k, the delta-rule step on state [H, Dv, Dk]
+        fp32 and the gated RMSNorm. Both states are updated in place; the states after the
+        first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv [nsnap, W-1, conv_dim].
+        Row pointers (x, conv_out, gate, beta, core, out_gate, o_norm_out) advance a row a
+        token."""
         c = self.cfg
+        if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
+            raise KdaError(f"kda_decode_rows: need 1 <= nrows <= {MAX_DECODE_ROWS} and "
+                           f"0 <= nsnap < nrows, got nrows={nrows} nsnap={nsnap}")
         cfg = LaunchConfig((c.num_heads, 1, 1), (4 * c.head_dim, 1, 1))
-        self._launch("recurrent", f"kda_decode_row_d{c.head_dim}", cfg,
-                     (x_row, conv_state, conv_w, conv_out_row, gate_row, beta_row, state, core_row,
-                      out_gate_row, o_norm_w, o_norm_row, i32(c.num_heads), i32(c.conv_kernel),
-                      f32(c.scale), f32(c.rms_norm_eps)), stream)
+        self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
+                     (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
+                      o_norm_w, o_norm_out, snap_rec, snap_conv, i32(nrows), i32(nsnap),
+                      i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
+                     stream)
 
     def kda_chunk(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr, t: int) -> None:
         """The chunked (WY) core over t tokens of ws.q_f32/k_f32/v_f32/gate/beta:

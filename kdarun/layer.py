@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, KdaError
-from .config import Glm5NextKdaConfig
-from .kernels import MAX_GEMV_ROWS, Glm5NextKdaKernels
+from .config import MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .kernels import Glm5NextKdaKernels
 from .state import KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
 from .workspace import BF16, F32, SPEC, Glm5NextKdaWorkspace
@@ -97,17 +97,39 @@ class Glm5NextKdaLayer:
                      ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Token `row` of the front end's rows, one launch: conv (+SiLU+L2) rolling the conv
         state, the recurrent step updating the state in place, and the gated RMSNorm."""
+        self._stateful_rows(gpu, row, 1, state, ws, 0, stream)
+
+    def _stateful_rows(self, gpu: GpuBackend, row: int, n: int, state: KdaSeqState,
+                       ws: Glm5NextKdaWorkspace, nsnap: int, stream: int) -> None:
+        """Rows [row, row+n) walked token by token in one launch (the same per-token code as
+        `stateful_row`); the states after the first nsnap rows land in the workspace's
+        snapshot scratch."""
         c = self.cfg
         cd, hd = c.conv_dim * BF16.itemsize, c.qkv * BF16.itemsize
         f = c.qkv * F32.itemsize
-        self.kernels.kda_decode_row(
+        self.kernels.kda_decode_rows(
             stream, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w, ws.conv_out + row * cd,
             ws.gate + row * f, ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
             ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
-            ws.o_norm_out + row * hd)
-        for name in ("conv_out", "core", "o_norm_out"):
-            self._ws_stage(gpu, stream, ws, name, "kda_decode_row", row + 1, row)
-        self._state_stage(gpu, stream, state, "kda_decode_row", f"[{row}]")
+            ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"), n, nsnap)
+        if self.stage_hook is None:
+            return
+        for r in range(row, row + n):
+            for name in ("conv_out", "core", "o_norm_out"):
+                self._ws_stage(gpu, stream, ws, name, "kda_decode_rows", r + 1, r)
+            if r - row < nsnap:
+                self._snapshot_stage(gpu, stream, ws, r - row, f"[{r}]")
+        self._state_stage(gpu, stream, state, "kda_decode_rows", f"[{row + n - 1}]")
+
+    def _snapshot_stage(self, gpu, stream, ws: Glm5NextKdaWorkspace, i: int, suffix: str) -> None:
+        cfg = self.cfg
+        rec, conv = recurrent_shape(cfg), conv_shape(cfg)
+        self.stage_hook(Stage(f"state.recurrent{suffix}", "kda_decode_rows",
+                              ws.ptr("snap_rec") + i * int(np.prod(rec)) * F32.itemsize, rec, F32,
+                              cfg.num_heads), gpu, stream)
+        self.stage_hook(Stage(f"state.conv{suffix}", "kda_decode_rows",
+                              ws.ptr("snap_conv") + i * int(np.prod(conv)) * BF16.itemsize, conv,
+                              BF16, cfg.conv_kernel - 1), gpu, stream)
 
     def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """o_proj over the t rows the stateful walk normalised: ws.o_norm_out ->
@@ -147,19 +169,21 @@ class Glm5NextKdaLayer:
                  stream: int) -> None:
         """K tokens of one sequence (speculative verify): projections batched once over the
         K rows, the recurrence walked one row at a time exactly as `decode` does, so the
-        result is bit-identical to K serial decodes. `snapshots[t] = (h_dst, conv_dst)`
-        receives the state after row t; pass k-1 of them or none."""
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_GEMV_ROWS:
-            raise KdaError(f"decode_k: k must be in [1, {MAX_GEMV_ROWS}], got {k!r}")
+        result is bit-identical to K serial decodes. The K-row walk is one launch that keeps
+        the state on chip between rows. `snapshots[t] = (h_dst, conv_dst)` receives the state
+        after row t; pass k-1 of them or none."""
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DECODE_ROWS:
+            raise KdaError(f"decode_k: k must be in [1, {MAX_DECODE_ROWS}], got {k!r}")
         ws.check_tokens(k, "decode_k")
         if len(snapshots) not in (0, k - 1):
             raise KdaError(f"decode_k: pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
         self.front_end(gpu, hidden, k, ws, stream)
-        for row in range(k):
-            self.stateful_row(gpu, row, state, ws, stream)
-            if row < len(snapshots):
-                h_dst, conv_dst = snapshots[row]
-                state.copy_to(h_dst, conv_dst, stream)
+        nsnap = k - 1 if snapshots or self.stage_hook is not None else 0
+        self._stateful_rows(gpu, 0, k, state, ws, nsnap, stream)
+        rec_bytes, conv_bytes = state.recurrent_nbytes, state.conv_nbytes
+        for i, (h_dst, conv_dst) in enumerate(snapshots):
+            gpu.copy_d2d(h_dst, ws.ptr("snap_rec") + i * rec_bytes, rec_bytes, stream)
+            gpu.copy_d2d(conv_dst, ws.ptr("snap_conv") + i * conv_bytes, conv_bytes, stream)
         self.back_end(gpu, k, ws, stream)
 
     def prefill(self, gpu: GpuBackend, hidden: DevicePtr, t: int, state: KdaSeqState,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError
+from .backend import GpuBackend, KdaError
 from .config import Glm5NextKdaConfig
 from .workspace import BF16, F32
 
@@ -55,11 +55,6 @@ class KdaSeqState:
         """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16); synchronises."""
         return (self._gpu.download(self.recurrent, recurrent_shape(self.cfg), F32, stream),
                 self._gpu.download(self.conv, conv_shape(self.cfg), BF16, stream))
-
-    def copy_to(self, recurrent_dst: DevicePtr, conv_dst: DevicePtr, stream: int) -> None:
-        """Enqueue a device copy of both states (a snapshot)."""
-        self._gpu.copy_d2d(recurrent_dst, self.recurrent, self.recurrent_nbytes, stream)
-        self._gpu.copy_d2d(conv_dst, self.conv, self.conv_nbytes, stream)
 
     def free(self) -> None:
         self._gpu.free(self.recurrent)

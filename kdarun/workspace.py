@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, KdaError
-from .config import CHUNK, Glm5NextKdaConfig
+from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -65,6 +65,11 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "WY: (I + bA)^-1 b (K * Gamma)"),
     BufferSpec("chunk_u", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
                "WY: (I + bA)^-1 b V"),
+    BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
+                                             c.head_dim), F32, False,
+               "decode_k: recurrent state after each row but the last"),
+    BufferSpec("snap_conv", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.conv_kernel - 1, c.conv_dim),
+               BF16, False, "decode_k: conv state after each row but the last"),
     BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), F32, False,
                "in-chunk decayed q.k products, causal"),
 )

@@ -71,6 +71,9 @@ def main() -> int:
                              f"{r.us:.1f} us, {r.gbps:.0f} GB/s = {100 * r.frac_copy:.0f}% of copy"
                              f"{k_ratio}{vs}"))
                 print(rows[-1], flush=True)
+                if graph:
+                    print(f"  launches alone, us: " + ", ".join(
+                        f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
             res = bench.bench_prefill(gpu, preset, tokens, stream)
             fla = bench.fla_prefill_ms(preset, tokens) if use_fla else [(None, None)] * len(tokens)
             for r, (f_ms, f_core) in zip(res, fla):
