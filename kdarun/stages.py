@@ -37,7 +37,7 @@ FORMAT = 1
 # dumped input (errors accumulate along the chain) or between two dumps (two backends differ
 # where a bf16 rounding flips, and the flips propagate down the chain). Each is about twice
 # the worst measured on the host backend and the H200 (tiny preset and a D = 128 stack, both
-# gates, T <= 4096); CUDA vs host, prefill core at D = 128 measured 6.1e-3.
+# gates, T <= 4096); CUDA vs host at D = 128: prefill core 6.1e-3, final recurrent state 5.1e-3.
 STAGE_TOL = {
     "qkv_parts": 5e-3, "qkv_proj": 5e-3,  # one bf16 rounding: measured <= 1.8e-3
     "g_raw": 6e-3, "out_gate": 6e-3,  # f_a then g_raw rounded: <= 3.5e-3

@@ -38,7 +38,7 @@ def test_prefill_vs_reference_and_host(pair, T, warm):
     assert rel(out, ref.stages["final_out"]) < E2E_TOL
     Rs, Cs = s_cu.download()
     assert rel(Rs, ref.recurrent_state) < STATE_TOL
-    assert rel(Rs, s_ho.download()[0]) < BF16_OUT_TOL
+    assert rel(Rs, s_ho.download()[0]) < STAGE_TOL["state.recurrent"]  # measured <= 5.1e-3
     assert np.array_equal(bits(Cs), bits(s_ho.download()[1])) or rel(Cs, ref.conv_state) < BF16_OUT_TOL
 
 
