@@ -101,7 +101,7 @@ class DecodeResult:
     gbps: float
     frac_copy: float  # of the copy bandwidth measured in the same run
     fla_us: float | None = None
-    kernels_us: dict | None = None  # each launch of one layer call timed alone (eager)
+    kernels_us: dict | None = None  # each launch of one layer call, timed from graph replays
 
 
 def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int) -> int:
@@ -150,8 +150,9 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
 
 
 def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k: int,
-                         stream: int) -> dict[str, float]:
-    """Microseconds of each launch of one decode(_k) call, each timed alone."""
+                         stream: int, repeat: int = 20) -> dict[str, float]:
+    """Microseconds of each launch of one decode(_k) call: `repeat` back-to-back launches of
+    it captured in a graph and replayed, so host launch latency stays out of the figure."""
     c, w, kn = layer.cfg, layer.weights, layer.kernels
     calls = {
         "proj_gemv": lambda: kn.proj_gemv_bf16(stream, w.w_in, h, ws.ptr("proj"), ws.qkv_parts,
@@ -163,7 +164,11 @@ def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k
         "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
                                                          ws.final_out, c.hidden_size, c.qkv, k),
     }
-    return {name: median_ms(gpu, fn, stream, 50) * 1e3 for name, fn in calls.items()}
+    out = {}
+    for name, fn in calls.items():
+        graph = gpu.capture(lambda: [fn() for _ in range(repeat)], stream)
+        out[name] = median_ms(gpu, lambda: graph.replay(stream), stream, 20) * 1e3 / repeat
+    return out
 
 
 @dataclass
@@ -338,8 +343,3 @@ def _fmt(v) -> str:
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
 
-
-def require_cuda(gpu: GpuBackend) -> None:
-    if gpu.name != "cuda":
-        raise KdaError("bench: benchmarks time CUDA kernels; run on a machine with a GPU "
-                       "(--backend cuda)")

@@ -72,7 +72,7 @@ def main() -> int:
                              f"{k_ratio}{vs}"))
                 print(rows[-1], flush=True)
                 if graph:
-                    print("  launches alone, us: " + ", ".join(
+                    print("  each launch (graph of 20), us: " + ", ".join(
                         f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
             res = bench.bench_prefill(gpu, preset, tokens, stream)
             fla = bench.fla_prefill_ms(preset, tokens) if use_fla else [(None, None)] * len(tokens)

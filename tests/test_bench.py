@@ -1,0 +1,18 @@
+"""The benchmark code paths run end to end on the host backend (timings there mean nothing;
+this keeps the GPU tool from breaking where CI can see it)."""
+
+from __future__ import annotations
+
+from kdarun import bench
+
+
+def test_bench_paths_on_host(host):
+    ceil = bench.Ceilings(4000.0, 700.0, 0.0)
+    stream = host.create_stream()
+    r = bench.bench_decode(host, "tiny", 4, True, ceil, stream, reps=2)
+    assert r.k == 4 and r.us > 0 and r.bytes > 0
+    assert set(r.kernels_us) == {"proj_gemv", "lowrank_gate_gemv", "decode_rows", "o_proj_gemv"}
+    (p,) = bench.bench_prefill(host, "tiny", [65], stream)
+    assert p.tokens == 65 and p.ms > 0 and p.core_ms > 0 and p.gemm_ms > 0
+    table = bench.results_table([vars(r)])
+    assert "decode-k" in table and "tiny" in table
