@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdarun import KdaSeqState, reference
+from kdarun import KdaSeqState, prefill_windowed, reference
 from kdarun.loader import load_stack
 from kdarun.run import compare, random_hidden
 from kdarun.state import conv_shape, recurrent_shape
@@ -76,3 +76,44 @@ def rel(out, ref) -> float:
 
 def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
+
+
+def assert_decode_k_matches_serial(env: Env, K: int, seed: int) -> None:
+    """decode_k over K rows is bit-identical to K serial decodes: outputs, every snapshot and
+    the final states."""
+    gpu = env.gpu
+    R, C = env.warm_state(seed=seed)
+    h = random_hidden(K, env.cfg.hidden_size, seed=seed + 1)
+    serial = env.state(R, C)
+    outs, snaps = [], []
+    for t in range(K):
+        outs.append(env.decode(h[t], serial))
+        snaps.append(serial.download())
+    batch = env.state(R, C)
+    dst = [env.state() for _ in range(K - 1)]
+    hp = gpu.upload(h)
+    env.ws.poison(0)
+    env.layer.decode_k(gpu, hp, K, batch, env.ws, [(s.recurrent, s.conv) for s in dst], 0)
+    assert np.array_equal(bits(env.ws.read("final_out", K)), bits(np.concatenate(outs)))
+    for t, s in enumerate(dst):
+        for a, b in zip(s.download(), snaps[t]):
+            assert np.array_equal(bits(a), bits(b)), f"snapshot after row {t}"
+    for a, b in zip(batch.download(), snaps[-1]):
+        assert np.array_equal(bits(a), bits(b))
+    gpu.free(hp)
+
+
+def assert_windowed_matches_one(small: Env, big: Env, T: int, seed: int, out_tol: float,
+                                state_tol: float) -> None:
+    """prefill_windowed through `small`'s workspace equals one prefill through `big`'s."""
+    gpu = big.gpu
+    R, C = big.warm_state(seed=seed)
+    h = random_hidden(T, big.cfg.hidden_size, seed=seed + 1)
+    one_state = big.state(R, C)
+    one = big.prefill(h, one_state)
+    win_state = small.state(R, C)
+    hp, out = gpu.upload(h), gpu.alloc(h.nbytes)
+    prefill_windowed(small.layer, gpu, hp, T, win_state, small.ws, out, 0)
+    assert rel(gpu.download(out, h.shape, BF16), one) < out_tol
+    assert rel(win_state.download()[0], one_state.download()[0]) < state_tol
+    gpu.free(hp), gpu.free(out)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdarun import KdaError, prefill_windowed, reference
+from kdarun import KdaError, reference
 from kdarun.run import random_hidden
 from kdarun.workspace import BF16
 
-from .helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env, bits, rel
+from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env,
+                      assert_decode_k_matches_serial, assert_windowed_matches_one, bits, rel)
 
 @pytest.fixture(scope="module", params=GATES)
 def env(request, host, ckpts):
@@ -93,26 +94,7 @@ def test_decode_stage_local(env):
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
 def test_decode_k_bit_identical_to_serial(env, K):
-    gpu, cfg = env.gpu, env.cfg
-    R, C = env.warm_state(seed=30 + K)
-    h = random_hidden(K, cfg.hidden_size, seed=40 + K)
-    serial_state = env.state(R, C)
-    serial_out, serial_snaps = [], []
-    for t in range(K):
-        serial_out.append(env.decode(h[t], serial_state))
-        serial_snaps.append(serial_state.download())
-    batch_state = env.state(R, C)
-    snaps = [env.state() for _ in range(K - 1)]
-    hp = gpu.upload(h)
-    env.ws.poison(0)
-    env.layer.decode_k(gpu, hp, K, batch_state, env.ws,
-                       [(s.recurrent, s.conv) for s in snaps], 0)
-    assert np.array_equal(bits(env.ws.read("final_out", K)), bits(np.concatenate(serial_out)))
-    for t, s in enumerate(snaps):
-        for a, b in zip(s.download(), serial_snaps[t]):
-            assert np.array_equal(bits(a), bits(b)), f"snapshot after row {t}"
-    for a, b in zip(batch_state.download(), serial_snaps[-1]):
-        assert np.array_equal(bits(a), bits(b))
+    assert_decode_k_matches_serial(env, K, seed=30 + 10 * K)
 
 
 @pytest.mark.parametrize("T", [63, 64, 100])
@@ -150,18 +132,9 @@ def test_poisoned_pad_changes_nothing(env, T, fill):
 
 
 def test_windowed_prefill_equals_one_prefill(host, ckpts):
-    small = Env(host, ckpts["bounded"], 64)
-    big = Env(host, ckpts["bounded"], 256)
-    R, C = big.warm_state(seed=70)
-    h = random_hidden(150, big.cfg.hidden_size, seed=71)
-    one_state = big.state(R, C)
-    one = big.prefill(h, one_state)
-    win_state = small.state(R, C)
-    hp, out = host.upload(h), host.alloc(h.nbytes)
-    prefill_windowed(small.layer, host, hp, 150, win_state, small.ws, out, 0)
-    win = host.download(out, h.shape, BF16)
-    assert rel(win, one) < FP32_TOL * 10  # same math; GEMM blocking may differ by rows
-    assert rel(win_state.download()[0], one_state.download()[0]) < FP32_TOL
+    # same math; GEMM blocking may differ with the row count
+    assert_windowed_matches_one(Env(host, ckpts["bounded"], 64), Env(host, ckpts["bounded"], 256),
+                                150, 70, FP32_TOL * 10, FP32_TOL)
 
 
 def test_bad_token_counts(env):

@@ -9,7 +9,8 @@ import pytest
 from kdarun import reference
 from kdarun.run import random_hidden
 
-from ..helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, bits, rel
+from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, assert_decode_k_matches_serial,
+                       bits, rel)
 
 BUFFERS_1ROW = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "o_norm_out",
                 "final_out")
@@ -71,27 +72,7 @@ def test_decode_chain_64_steps(pair):
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
 def test_decode_k_bit_identical_to_serial(pair, K):
-    cu, _ = pair
-    gpu = cu.gpu
-    R, C = cu.warm_state(seed=300 + K)
-    h = random_hidden(K, cu.cfg.hidden_size, seed=310 + K)
-    serial = cu.state(R, C)
-    outs, snaps = [], []
-    for t in range(K):
-        outs.append(cu.decode(h[t], serial))
-        snaps.append(serial.download())
-    batch = cu.state(R, C)
-    dst = [cu.state() for _ in range(K - 1)]
-    hp = gpu.upload(h)
-    cu.ws.poison(0)
-    cu.layer.decode_k(gpu, hp, K, batch, cu.ws, [(s.recurrent, s.conv) for s in dst], 0)
-    assert np.array_equal(bits(cu.ws.read("final_out", K)), bits(np.concatenate(outs)))
-    for t, s in enumerate(dst):
-        for a, b in zip(s.download(), snaps[t]):
-            assert np.array_equal(bits(a), bits(b)), f"snapshot after row {t}"
-    for a, b in zip(batch.download(), snaps[-1]):
-        assert np.array_equal(bits(a), bits(b))
-    gpu.free(hp)
+    assert_decode_k_matches_serial(pair[0], K, seed=300 + 10 * K)
 
 
 @pytest.mark.parametrize("K", [1, 4])

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from kdarun import prefill_windowed, synthetic
+from kdarun import synthetic
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 from kdarun.workspace import BF16
 
-from ..helpers import BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, bits, rel
+from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, assert_windowed_matches_one,
+                       bits, rel)
 
 STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
           "k_f32", "v_f32", "core", "o_norm_out", "final_out")
@@ -111,16 +112,9 @@ def test_prefill_on_a_created_stream_equals_default_stream(pair):
 
 
 def test_windowed_prefill_equals_one_prefill(cuda, gpu_ckpts):
-    small, big = Env(cuda, gpu_ckpts["bounded"], 256), Env(cuda, gpu_ckpts["bounded"], 2048)
-    R, C = big.warm_state(seed=900)
-    h = random_hidden(1500, big.cfg.hidden_size, seed=901)
-    one_state = big.state(R, C)
-    one = big.prefill(h, one_state)
-    win_state = small.state(R, C)
-    hp, out = cuda.upload(h), cuda.alloc(h.nbytes)
-    prefill_windowed(small.layer, cuda, hp, 1500, win_state, small.ws, out, 0)
-    assert rel(cuda.download(out, h.shape, BF16), one) < BF16_OUT_TOL
-    assert rel(win_state.download()[0], one_state.download()[0]) < BF16_OUT_TOL
+    assert_windowed_matches_one(Env(cuda, gpu_ckpts["bounded"], 256),
+                                Env(cuda, gpu_ckpts["bounded"], 2048), 1500, 900, BF16_OUT_TOL,
+                                BF16_OUT_TOL)
 
 
 def _extreme_ckpt(tmp_path, gate, lower_bound, a_log):
