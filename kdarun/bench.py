@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from . import synthetic
-from .backend import GpuBackend, KdaError
+from .backend import GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
