@@ -16,7 +16,7 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend, KdaError
 from .config import MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
-from .state import KdaSeqState, conv_shape, recurrent_shape
+from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
 from .workspace import BF16, F32, SPEC, Glm5NextKdaWorkspace
 
@@ -32,6 +32,7 @@ class Stage:
     dtype: np.dtype
     valid_rows: int
     row_axis: int = 0
+    layout: str = ""  # the axes, row-major, e.g. "[T_pad, H, D]"
 
 
 StageHook = Callable[[Stage, GpuBackend, int], None]
@@ -63,8 +64,8 @@ class Glm5NextKdaLayer:
             ptr, shape, name = ptr + row * row_elems * spec.dtype.itemsize, (1,) + shape[1:], \
                 f"{name}[{row}]"
         axis = 1 if spec.name == "qkv_parts" else 0
-        self.stage_hook(Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis),
-                        gpu, stream)
+        self.stage_hook(Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis,
+                              spec.layout), gpu, stream)
 
     def _state_stage(self, gpu, stream, state: KdaSeqState, kernel: str, suffix: str = "",
                      which: tuple[str, ...] = ("recurrent", "conv")) -> None:
@@ -73,10 +74,11 @@ class Glm5NextKdaLayer:
         cfg = self.cfg
         if "recurrent" in which:
             self.stage_hook(Stage(f"state.recurrent{suffix}", kernel, state.recurrent,
-                                  recurrent_shape(cfg), F32, cfg.num_heads), gpu, stream)
+                                  recurrent_shape(cfg), F32, cfg.num_heads, 0, RECURRENT_LAYOUT),
+                            gpu, stream)
         if "conv" in which:
             self.stage_hook(Stage(f"state.conv{suffix}", kernel, state.conv, conv_shape(cfg),
-                                  BF16, cfg.conv_kernel - 1), gpu, stream)
+                                  BF16, cfg.conv_kernel - 1, 0, CONV_LAYOUT), gpu, stream)
 
     # -- decode pieces ---------------------------------------------------------------------
     def front_end(self, gpu: GpuBackend, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace,
@@ -126,10 +128,10 @@ class Glm5NextKdaLayer:
         rec, conv = recurrent_shape(cfg), conv_shape(cfg)
         self.stage_hook(Stage(f"state.recurrent{suffix}", "kda_decode_rows",
                               ws.ptr("snap_rec") + i * int(np.prod(rec)) * F32.itemsize, rec, F32,
-                              cfg.num_heads), gpu, stream)
+                              cfg.num_heads, 0, RECURRENT_LAYOUT), gpu, stream)
         self.stage_hook(Stage(f"state.conv{suffix}", "kda_decode_rows",
                               ws.ptr("snap_conv") + i * int(np.prod(conv)) * BF16.itemsize, conv,
-                              BF16, cfg.conv_kernel - 1), gpu, stream)
+                              BF16, cfg.conv_kernel - 1, 0, CONV_LAYOUT), gpu, stream)
 
     def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """o_proj over the t rows the stateful walk normalised: ws.o_norm_out ->

@@ -59,6 +59,7 @@ class StageRecord:
     shape: list[int]  # of the saved (valid) rows
     dtype: str
     row_axis: int
+    layout: str
 
 
 class StageRecorder:
@@ -81,7 +82,7 @@ class StageRecorder:
             raise KdaError(f"stage {key} written twice in one call")
         self.arrays[key] = np.ascontiguousarray(valid)
         self.records.append(StageRecord(key, stage.kernel, list(valid.shape),
-                                        str(np.dtype(stage.dtype)), stage.row_axis))
+                                        str(np.dtype(stage.dtype)), stage.row_axis, stage.layout))
 
 
 def write_dump(out: str | Path, recorder: StageRecorder, hidden: np.ndarray,

@@ -14,6 +14,10 @@ from .config import Glm5NextKdaConfig
 from .workspace import BF16, F32
 
 
+RECURRENT_LAYOUT = "[H, Dv, Dk]"
+CONV_LAYOUT = "[W-1, conv_dim] q|k|v, oldest row first"
+
+
 def recurrent_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int, int]:
     return (cfg.num_heads, cfg.head_dim, cfg.head_dim)
 

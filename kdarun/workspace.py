@@ -29,49 +29,60 @@ class BufferSpec:
     shape: Shape  # (cfg, t, t_pad) -> shape of the rows a run of t tokens uses
     dtype: np.dtype
     public: bool
+    layout: str  # the axes, row-major
     doc: str
 
 
+def _rows(n: Callable[[Glm5NextKdaConfig], int]) -> Shape:
+    return lambda c, t, tp: (t, n(c))
+
+
+def _heads(c: Glm5NextKdaConfig, t: int, tp: int) -> tuple[int, ...]:
+    return (tp, c.num_heads, c.head_dim)
+
+
 BUFFERS: tuple[BufferSpec, ...] = (
-    BufferSpec("qkv_parts", lambda c, t, tp: (3, t, c.qkv), BF16, True,
+    BufferSpec("qkv_parts", lambda c, t, tp: (3, t, c.qkv), BF16, True, "[3, T, qkv]",
                "q, k and v projection outputs, before the pack"),
-    BufferSpec("qkv_proj", lambda c, t, tp: (t, c.conv_dim), BF16, True,
+    BufferSpec("qkv_proj", _rows(lambda c: c.conv_dim), BF16, True, "[T, conv_dim] q|k|v",
                "q|k|v per token, before the conv"),
-    BufferSpec("conv_out", lambda c, t, tp: (t, c.conv_dim), BF16, True,
+    BufferSpec("conv_out", _rows(lambda c: c.conv_dim), BF16, True, "[T, conv_dim] q|k|v",
                "after conv + SiLU, q|k L2-normalised"),
-    BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "q widened, tail = pad_fill"),
-    BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "k widened, tail = pad_fill"),
-    BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "v widened, tail = pad_fill"),
-    BufferSpec("gate", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, True,
-               "log-decay from kda_gate, <= 0"),
-    BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "sigmoid(b_proj(h))"),
-    BufferSpec("core", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, True,
-               "KDA core output, before o_norm"),
-    BufferSpec("g_raw", lambda c, t, tp: (t, c.qkv), BF16, True, "f_b(f_a(h)), the gate input"),
-    BufferSpec("out_gate", lambda c, t, tp: (t, c.qkv), BF16, True, "g_b(g_a(h))"),
-    BufferSpec("o_norm_out", lambda c, t, tp: (t, c.qkv), BF16, True,
+    BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
+               "q widened, tail = pad_fill"),
+    BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
+               "k widened, tail = pad_fill"),
+    BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
+               "v widened, tail = pad_fill"),
+    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0"),
+    BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "[T_pad, H]",
+               "sigmoid(b_proj(h))"),
+    BufferSpec("core", _heads, F32, True, "[T_pad, H, D]", "KDA core output, before o_norm"),
+    BufferSpec("g_raw", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]",
+               "f_b(f_a(h)), the gate input"),
+    BufferSpec("out_gate", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]", "g_b(g_a(h))"),
+    BufferSpec("o_norm_out", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]",
                "after the sigmoid-gated RMSNorm"),
-    BufferSpec("final_out", lambda c, t, tp: (t, c.hidden_size), BF16, True, "the block output"),
+    BufferSpec("final_out", _rows(lambda c: c.hidden_size), BF16, True, "[T, hidden]",
+               "the block output"),
     # private scratch
-    BufferSpec("proj", lambda c, t, tp: (t, c.proj_width), BF16, False,
-               "packed input projection q|k|v|f_a|g_a|b"),
-    BufferSpec("chunk_qg", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
+    BufferSpec("proj", _rows(lambda c: c.proj_width), BF16, False,
+               "[T, proj_width] q|k|v|f_a|g_a|b", "the packed input projection"),
+    BufferSpec("chunk_qg", _heads, F32, False, "[T_pad, H, D]",
                "q * scale * exp(G), G the in-chunk cumulative log-decay"),
-    BufferSpec("chunk_kd", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
-               "k * exp(G_last - G)"),
+    BufferSpec("chunk_kd", _heads, F32, False, "[T_pad, H, D]", "k * exp(G_last - G)"),
     BufferSpec("chunk_gl", lambda c, t, tp: (tp // CHUNK, c.num_heads, c.head_dim), F32, False,
-               "exp(G_last) per chunk"),
-    BufferSpec("chunk_w", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
-               "WY: (I + bA)^-1 b (K * Gamma)"),
-    BufferSpec("chunk_u", lambda c, t, tp: (tp, c.num_heads, c.head_dim), F32, False,
-               "WY: (I + bA)^-1 b V"),
+               "[T_pad/C, H, D]", "exp(G_last) per chunk"),
+    BufferSpec("chunk_w", _heads, F32, False, "[T_pad, H, D]", "WY: (I + bA)^-1 b (K * Gamma)"),
+    BufferSpec("chunk_u", _heads, F32, False, "[T_pad, H, D]", "WY: (I + bA)^-1 b V"),
+    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), F32, False,
+               "[T_pad/C, H, C, C]", "in-chunk decayed q.k products, causal"),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
-                                             c.head_dim), F32, False,
+                                             c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),
     BufferSpec("snap_conv", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.conv_kernel - 1, c.conv_dim),
-               BF16, False, "decode_k: conv state after each row but the last"),
-    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), F32, False,
-               "in-chunk decayed q.k products, causal"),
+               BF16, False, "[K-1, W-1, conv_dim]",
+               "decode_k: conv state after each row but the last"),
 )
 SPEC = {b.name: b for b in BUFFERS}
 PUBLIC = tuple(b.name for b in BUFFERS if b.public)
