@@ -110,6 +110,12 @@ class Checkpoint:
         if layer_idx not in cfg.kda_layers:
             raise KdaError(f"layer {layer_idx} is not a KDA layer of {self.path} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
+        prefix = PREFIX.format(i=layer_idx)
+        known = {tensor_name(layer_idx, spec.name) for spec in TENSORS}
+        extra = sorted(n for n in self.weight_map if n.startswith(prefix) and n not in known)
+        if extra:  # e.g. a bias kdarun does not apply: running without it would be silently wrong
+            raise KdaError(f"checkpoint {self.path}: layer {layer_idx} has tensors kdarun does "
+                           f"not implement: {extra}")
         out: dict[str, np.ndarray] = {}
         by_file: dict[Path, list[TensorSpec]] = {}
         for spec in TENSORS:

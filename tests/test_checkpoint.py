@@ -104,6 +104,15 @@ def test_missing_tensor(ckpt_copy):
         Checkpoint(ckpt_copy).layer_tensors(1)
 
 
+def test_unknown_tensor_in_a_kda_layer_is_refused(ckpt_copy):
+    name = tensor_name(0, "g_b_proj.bias")
+    _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, np.ones(256, ml_dtypes.bfloat16)))
+    with pytest.raises(KdaError, match=r"layer 0 has tensors kdarun does not implement: "
+                                       r"\['model.layers.0.self_attn.g_b_proj.bias'\]"):
+        Checkpoint(ckpt_copy).layer_tensors(0)
+    assert Checkpoint(ckpt_copy).layer_tensors(1)  # other layers are unaffected
+
+
 def test_wrong_shape(ckpt_copy):
     name = tensor_name(0, "o_proj.weight")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, t[n][:, :128].copy()))
