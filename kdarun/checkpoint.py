@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -21,7 +20,6 @@ from .backend import KdaError
 from .config import Glm5NextKdaConfig
 
 PREFIX = "model.layers.{i}.self_attn."
-SAFETENSORS_DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32, "F16": np.float16}
 
 
 @dataclass(frozen=True)

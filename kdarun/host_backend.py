@@ -124,12 +124,10 @@ class HostBackend(GpuBackend):
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:
+        from .host_kernels import _rows
         bf16 = ml_dtypes.bfloat16
-        av = self.view(a, (m - 1) * lda + k, bf16)
-        av = np.lib.stride_tricks.as_strided(av, (m, k), (lda * 2, 2))
+        av, cv = _rows(self, a, m, lda, k, bf16), _rows(self, c, m, ldc, n, bf16)
         wv = self.view(w, (n, k), bf16)
-        cv = self.view(c, (m - 1) * ldc + n, bf16)
-        cv = np.lib.stride_tricks.as_strided(cv, (m, n), (ldc * 2, 2))
         cv[...] = (av.astype(np.float32) @ wv.astype(np.float32).T).astype(bf16)
 
 

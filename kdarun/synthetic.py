@@ -114,7 +114,3 @@ def write_checkpoint(out: str | Path, cfg: Glm5NextKdaConfig, seed: int = 0,
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return out
 
-
-def demo_config(gate: str = "softplus") -> Glm5NextKdaConfig:
-    """The built-in demo: the tiny preset with a short 4-layer stack."""
-    return preset_config("tiny", gate, layers=4)

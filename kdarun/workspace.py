@@ -85,7 +85,6 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "decode_k: conv state after each row but the last"),
 )
 SPEC = {b.name: b for b in BUFFERS}
-PUBLIC = tuple(b.name for b in BUFFERS if b.public)
 
 
 class Glm5NextKdaWorkspace:
