@@ -134,6 +134,11 @@ class GpuBackend(abc.ABC):
     def device_name(self) -> str:
         return self.name
 
+    @property
+    def sm_count(self) -> int:
+        """Streaming multiprocessors: how many blocks of a one-block-per-SM kernel run at once."""
+        return 1
+
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
         """Allocate and copy a host array; returns its device address."""
         array = np.ascontiguousarray(array)

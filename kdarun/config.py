@@ -89,6 +89,14 @@ class Glm5NextKdaConfig:
         """Outputs of the packed input projection: q|k|v|f_a|g_a|b."""
         return self.conv_dim + 2 * self.rank + self.num_heads
 
+    def proj_col(self, part: str) -> int:
+        """First column of `part` (q, k, v, f_a, g_a or b) in a packed projection row."""
+        cols = {"q": 0, "k": self.qkv, "v": 2 * self.qkv, "f_a": self.conv_dim,
+                "g_a": self.conv_dim + self.rank, "b": self.conv_dim + 2 * self.rank}
+        if part not in cols:
+            raise KdaError(f"proj_col: unknown part {part!r}; expected one of {sorted(cols)}")
+        return cols[part]
+
     @property
     def proj_width(self) -> int:
         """Row stride of the packed projection buffer: `proj_rows` rounded up to 8 so

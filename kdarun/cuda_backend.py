@@ -27,6 +27,7 @@ class CupyBackend(GpuBackend):
         self._device.use()
         props = cp.cuda.runtime.getDeviceProperties(device)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        self._sm_count = int(props["multiProcessorCount"])
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
         self._functions: dict[tuple[str, str], Any] = {}
@@ -37,6 +38,10 @@ class CupyBackend(GpuBackend):
     @property
     def device_name(self) -> str:
         return self._name
+
+    @property
+    def sm_count(self) -> int:
+        return self._sm_count
 
     def stream_obj(self, stream: int):
         """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import CHUNK
+from .kernels import WALK_SLICES
 
 BF = ml_dtypes.bfloat16
 F32 = np.float32
@@ -240,6 +241,7 @@ HOST_KERNELS: dict[str, dict] = {
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "conv_roll_state": conv_roll_state},
     "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
-              **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
+              **{f"kda_chunk_inter_d{d}_v{vs}": _kda_chunk_inter(d) for d in (64, 128)
+                 for vs in WALK_SLICES}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
 }

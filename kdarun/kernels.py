@@ -20,13 +20,26 @@ if TYPE_CHECKING:
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
-CHUNK_VS = 32  # state columns one kda_chunk_inter block carries (VS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
+WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
 
 
 def _blocks(n: int, per: int = THREADS) -> int:
     return max(1, -(-n // per))
+
+
+def intra_smem_bytes() -> int:
+    """Shared memory of kda_chunk_intra_d*: the `Intra` layout in chunk.cu (G, k, q [C, 66]
+    for 64 dimensions at a time; scaled rows [C+16, 68]; A, Aqk [C, AP]; beta [C]), in fp32."""
+    return 4 * (3 * CHUNK * 66 + (CHUNK + 16) * 68 + 2 * CHUNK * CHUNK_AP + CHUNK)
+
+
+def walk_smem_bytes(d: int, vs: int) -> int:
+    """Shared memory of kda_chunk_inter_d{d}_v{vs}: the `Walk` layout in chunk.cu (w, qg
+    [C, D+4]; kd [C, D+8]; u, W [C, VS+8]; Aqk [C, AP]; S [D, VS+8]; gl [D]), in fp32."""
+    return 4 * (2 * CHUNK * (d + 4) + CHUNK * (d + 8) + 2 * CHUNK * (vs + 8) + CHUNK * CHUNK_AP
+                + d * (vs + 8) + d)
 
 
 def _cfg1d(n: int) -> LaunchConfig:
@@ -105,7 +118,7 @@ class Glm5NextKdaKernels:
         beta [t_pad, H]; rows >= t written as 0."""
         c = self.cfg
         bounded = c.gate_lower_bound is not None
-        self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv),
+        self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv // 8),
                      (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, i32(t), i32(t_pad),
                       i32(c.num_heads), i32(c.head_dim),
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
@@ -121,8 +134,7 @@ class Glm5NextKdaKernels:
         to pad_fill; then the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
         c = self.cfg
         t_pad = c.t_pad(t)
-        cfg = LaunchConfig((_blocks(t_pad * 3 * c.num_heads, THREADS // 32), 1, 1), (THREADS, 1, 1))
-        self._launch("conv", "prefill_conv_qkv", cfg,
+        self._launch("conv", "prefill_conv_qkv", _cfg1d(t_pad * c.conv_dim // 8),
                      (proj, i32(c.proj_width), conv_state, conv_w, qkv_proj, qkv_parts, conv_out,
                       q, k, v, i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim),
                       i32(c.conv_kernel), f32(pad_fill)), stream)
@@ -154,25 +166,41 @@ class Glm5NextKdaKernels:
 
     def kda_chunk(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr, t: int) -> None:
         """The chunked (WY) core over t tokens of ws.q_f32/k_f32/v_f32/gate/beta:
-        `kda_chunk_intra` builds every chunk's WY factors in parallel into the workspace's
-        private chunk_* buffers; `kda_chunk_inter` walks the chunks carrying state
-        [H, Dv, Dk] fp32 (read and written back) and writes ws.core [t_pad, H, D]. Rows >= t
-        are never read."""
+        `kda_chunk_intra` then `kda_chunk_inter`; reads and writes back state [H, Dv, Dk]
+        fp32 and writes ws.core [t_pad, H, D]. Rows >= t are never read."""
+        self.kda_chunk_intra(stream, ws, t)
+        self.kda_chunk_inter(stream, ws, state, t)
+
+    def kda_chunk_intra(self, stream: int, ws: "Glm5NextKdaWorkspace", t: int) -> None:
+        """Every chunk's WY factors, in parallel, into the workspace's private chunk_* buffers."""
         c = self.cfg
         D, t_pad = c.head_dim, c.t_pad(t)
         H, ptr = c.num_heads, ws.ptr
-        intra_smem = 4 * (3 * CHUNK * (D + 1) + CHUNK * CHUNK_AP + CHUNK)
         self._launch("chunk", f"kda_chunk_intra_d{D}",
-                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1), intra_smem),
+                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1), intra_smem_bytes()),
                      (ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ptr("chunk_qg"),
                       ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"), ptr("chunk_u"),
                       ptr("chunk_aqk"), i32(t), i32(t_pad), i32(H), f32(c.scale)), stream)
-        inter_smem = 4 * (CHUNK * (D + 4) + CHUNK * CHUNK_AP + CHUNK * CHUNK_VS + D * CHUNK_VS + D)
-        self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((H, D // CHUNK_VS, 1), (THREADS, 1, 1), inter_smem),
+
+    def kda_chunk_inter(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr,
+                        t: int) -> None:
+        """The sequential walk over the chunks from the intra factors, carrying state."""
+        c = self.cfg
+        D, t_pad = c.head_dim, c.t_pad(t)
+        H, ptr = c.num_heads, ws.ptr
+        vs = self.walk_slice()
+        self._launch("chunk", f"kda_chunk_inter_d{D}_v{vs}",
+                     LaunchConfig((H, D // vs, 1), (THREADS, 1, 1), walk_smem_bytes(D, vs)),
                      (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
                       ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
                       i32(H)), stream)
+
+    def walk_slice(self) -> int:
+        """State columns per walk block: the narrow slice while one wave of blocks fits the
+        SMs (the walk is one block per SM), else the wide one so it still does."""
+        c = self.cfg
+        narrow, wide = WALK_SLICES
+        return narrow if c.num_heads * c.head_dim // narrow <= self.gpu.sm_count else wide
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,

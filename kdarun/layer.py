@@ -144,10 +144,8 @@ class Glm5NextKdaLayer:
     # -- prefill pieces --------------------------------------------------------------------
     def _prefill_gates(self, gpu, t: int, t_pad: int, ws, stream) -> None:
         c, w, kn = self.cfg, self.weights, self.kernels
-        proj = ws.ptr("proj")
-        f_a = proj + c.conv_dim * BF16.itemsize
-        g_a = f_a + c.rank * BF16.itemsize
-        b_raw = g_a + c.rank * BF16.itemsize
+        f_a, g_a, b_raw = (ws.ptr("proj") + c.proj_col(p) * BF16.itemsize
+                           for p in ("f_a", "g_a", "b"))
         kn.gemm_bf16(stream, f_a, c.proj_width, w.f_b, ws.g_raw, c.qkv, t, c.qkv, c.rank)
         kn.gemm_bf16(stream, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv, t, c.qkv, c.rank)
         self._ws_stage(gpu, stream, ws, "g_raw", "gemm_bf16", t)

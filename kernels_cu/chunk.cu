@@ -4,10 +4,11 @@
 //     (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)] by forward substitution, and precomputes
 //     everything elementwise the sequential walk needs: qg = q exp(G), kd = k exp(G_last - G),
 //     gl = exp(G_last). The walk then does no transcendental math at all.
-//   kda_chunk_inter: per (head, 32-column slice of V) walks the chunks in order, carrying the
-//     state slice in shared memory: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W.
-//     It stages one [C, D] operand at a time (~72 KB of shared memory at D = 128), so three
-//     blocks share an SM and one block's loads overlap another's arithmetic.
+//   kda_chunk_inter_d{D}_v{VS}: per (head, VS-column slice of V) walks the chunks in order with
+//     its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
+//     products run on tensor cores (3xTF32, fp32-accurate); the next operands stream into
+//     shared memory with cp.async while the current product runs, since the walk is one block
+//     per SM and nothing else hides its loads.
 // Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
 // padded tail can reach neither the outputs nor the state. Decays are only exponentiated as
 // differences G_t - G_s with s <= t, which are <= 0: nothing overflows.
@@ -15,10 +16,89 @@
 
 #define CH 64
 #define THREADS 256  // every chunk kernel runs 256 threads (kernels.py launches them so)
-#define VS 32   // state columns one inter block carries
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
+__device__ __forceinline__ float4 pick4(bool valid, float4 x) {
+    return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// ---- tensor-core products in 3xTF32 -----------------------------------------------------------
+// Each product x*y is taken as hi(x)hi(y) + hi(x)lo(y) + lo(x)hi(y) with hi = tf32(x) and
+// lo = tf32(x - hi): three m16n8k8 TF32 MMAs give products within fp32 rounding of an FFMA
+// loop (plain TF32 would drift ~1e-3 per chunk in the carried state).
+__device__ __forceinline__ unsigned tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+struct Split {
+    unsigned hi, lo;
+};
+
+__device__ __forceinline__ Split split(float x) {
+    const unsigned hi = tf32(x);
+    return {hi, tf32(x - __uint_as_float(hi))};
+}
+
+__device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// big + small += a * b in 3xTF32 for one 16x8x8 step; a holds the A fragment's four fp32
+// values (rows g, g+8 at column t, then at t+4), b the B fragment's two (rows t, t+4 at column
+// g). The hi x hi products and the two correction terms accumulate apart, which halves the
+// chain of dependent MMAs; the caller adds small into big at the end.
+__device__ __forceinline__ void mma3(float big[4], float small[4], const float a[4],
+                                     const float b[2]) {
+    unsigned ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const Split s = split(a[i]);
+        ah[i] = s.hi;
+        al[i] = s.lo;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const Split s = split(b[i]);
+        bh[i] = s.hi;
+        bl[i] = s.lo;
+    }
+    mma_tf32(small, al, bh);
+    mma_tf32(big, ah, bh);
+    mma_tf32(small, ah, bl);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// ---- intra: every (chunk, head) in parallel -----------------------------------------------------
+// A[t][s] and Aqk[t][s] need exp(G_t - G_s) per dimension. Across 16-row blocks (s in a block
+// before t's block, which starts at row r) it factors as exp(G_t - G_r) exp(G_r - G_s), both
+// <= 1, so those blocks are products of scaled rows on tensor cores; within a 16-row block the
+// factors could overflow (decay is unbounded), so the diagonal blocks take exp(G_t - G_s)
+// pair by pair. Dimensions are staged 64 at a time, which keeps a block at ~105 KB of shared
+// memory so two blocks share an SM and one's loads overlap the other's arithmetic.
+struct Intra {
+    static constexpr int DH = 64;        // dimensions staged at a time
+    static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
+    static constexpr int PE = DH + 4;    // scaled rows: fragment reads hit bank 4g + t
+    static constexpr int SB = 16;        // the factorisation's block of rows
+    static constexpr int KT = CH - SB;   // scaled rows: k_s (s < r) in [0, KT), then k_t, q_t
+    static constexpr int EROWS = KT + 2 * SB;
+    static constexpr int G_OFF = 0, K_OFF = CH * P, Q_OFF = 2 * CH * P, E_OFF = 3 * CH * P;
+    static constexpr int A_OFF = E_OFF + EROWS * PE, M_OFF = A_OFF + CH * AP;
+    static constexpr int B_OFF = M_OFF + CH * AP, FLOATS = B_OFF + CH;
+};
 
 template <int D>
 __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict__ k,
@@ -27,256 +107,398 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                             float* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             float* __restrict__ aqk, int T, int H, float scale) {
-    constexpr int P = D + 1;  // padded rows: walks over s for fixed d hit distinct banks
-    extern __shared__ float sm[];
-    float* Ks = sm;
-    float* Qs = Ks + CH * P;
-    float* Gs = Qs + CH * P;
-    float* A = Gs + CH * P;  // [CH][AP], strictly lower
-    float* Bs = A + CH * AP;
-    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    const int c0 = ci * CH;
-    constexpr int LOADS = CH * D / THREADS, BATCH = 8;  // BATCH x 3 loads in flight a thread
-#pragma unroll
-    for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
-        float kv[BATCH], qv[BATCH], gv[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int i = tid + (b0 + j) * THREADS, t = c0 + i / D;
-            const u64 g = ((u64)t * H + h) * D + i % D;
-            kv[j] = k[g];
-            qv[j] = q[g];
-            gv[j] = gate[g];
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int i = tid + (b0 + j) * THREADS, r = i / D, d = i % D;
-            const bool ok = c0 + r < T;
-            Ks[r * P + d] = pick(ok, kv[j]);
-            Qs[r * P + d] = pick(ok, qv[j]) * scale;
-            Gs[r * P + d] = pick(ok, gv[j]);
-        }
-    }
+    using L = Intra;
+    constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB, KT = L::KT;
+    extern __shared__ __align__(16) float sm[];
+    float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
+    float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
+    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CH;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] addressing
+
+    for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
     if (tid < CH) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
-    __syncthreads();
-    if (tid < D) {
-        float acc = 0.0f;
-        for (int r = 0; r < CH; ++r) {
-            acc += Gs[r * P + tid];
-            Gs[r * P + tid] = acc;
+
+    for (int d0 = 0; d0 < D; d0 += DH) {
+        // k, q and the gate's cumulative sum G over dimensions [d0, d0 + DH). Each thread sums
+        // one dimension over a segment of rows in registers; segment totals then shift the
+        // later segments.
+        {
+            constexpr int IT = CH * DH / 4 / THREADS, SEGS = THREADS / DH, SL = CH / SEGS;
+            float4 kv[IT], qv[IT];
+            float gv[SL];
+            const int d = tid % DH, seg = tid / DH;
+#pragma unroll
+            for (int it = 0; it < IT; ++it) {
+                const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
+                const u64 o = row0 + r * rstride + d0 + c4;
+                kv[it] = __ldg(reinterpret_cast<const float4*>(k + o));
+                qv[it] = __ldg(reinterpret_cast<const float4*>(q + o));
+            }
+#pragma unroll
+            for (int j = 0; j < SL; ++j) gv[j] = gate[row0 + (seg * SL + j) * rstride + d0 + d];
+#pragma unroll
+            for (int it = 0; it < IT; ++it) {
+                const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
+                const bool ok = c0 + r < T;
+                const float4 kk = pick4(ok, kv[it]), qq = pick4(ok, qv[it]);
+                *reinterpret_cast<float2*>(Ks + r * P + c4) = make_float2(kk.x, kk.y);
+                *reinterpret_cast<float2*>(Ks + r * P + c4 + 2) = make_float2(kk.z, kk.w);
+                *reinterpret_cast<float2*>(Qs + r * P + c4) = make_float2(qq.x * scale, qq.y * scale);
+                *reinterpret_cast<float2*>(Qs + r * P + c4 + 2) = make_float2(qq.z * scale, qq.w * scale);
+            }
+            float run = 0.0f;
+#pragma unroll
+            for (int j = 0; j < SL; ++j) {
+                run += pick(c0 + seg * SL + j < T, gv[j]);
+                gv[j] = run;
+            }
+            float* tot = Es;  // segment totals, before the scaled rows are built
+            tot[seg * DH + d] = run;
+            __syncthreads();
+            float off = 0.0f;
+            for (int s = 0; s < seg; ++s) off += tot[s * DH + d];
+#pragma unroll
+            for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;
+            __syncthreads();
         }
-        gl_out[((u64)ci * H + h) * D + tid] = expf(acc);
-    }
-    __syncthreads();
-    for (int i = tid; i < CH * D; i += blockDim.x) {
-        const int r = i / D, d = i % D;
-        const u64 g = ((u64)(c0 + r) * H + h) * D + d;
-        const float G = Gs[r * P + d];
-        qg_out[g] = Qs[r * P + d] * expf(G);
-        kd_out[g] = Ks[r * P + d] * expf(Gs[(CH - 1) * P + d] - G);
-    }
-    float* M = aqk + ((u64)ci * H + h) * CH * CH;
-    for (int i = tid; i < CH * CH; i += blockDim.x) {
-        const int t = i / CH, s = i % CH;
-        float a = 0.0f, m = 0.0f;
-        if (s <= t) {
-            for (int d = 0; d < D; ++d) {
-                const float e = expf(Gs[t * P + d] - Gs[s * P + d]) * Ks[s * P + d];
-                a = __fmaf_rn(Ks[t * P + d], e, a);
-                m = __fmaf_rn(Qs[t * P + d], e, m);
+        // what the walk and the solve need elementwise: gl, qg, kd, and k exp(G) (the solve's
+        // right-hand side, parked in w_out until the solve overwrites it)
+        if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
+        for (int i = tid; i < CH * DH / 2; i += THREADS) {
+            const int r = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
+            const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + c2);
+            const float2 GL = *reinterpret_cast<const float2*>(Gs + (CH - 1) * P + c2);
+            const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
+            const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
+            const u64 o = row0 + r * rstride + d0 + c2;
+            const float e0 = expf(G.x), e1 = expf(G.y);
+            *reinterpret_cast<float2*>(qg_out + o) = make_float2(qq.x * e0, qq.y * e1);
+            *reinterpret_cast<float2*>(w_out + o) = make_float2(kk.x * e0, kk.y * e1);
+            *reinterpret_cast<float2*>(kd_out + o) =
+                make_float2(kk.x * expf(GL.x - G.x), kk.y * expf(GL.y - G.y));
+        }
+
+        // Diagonal blocks, pair by pair: a warp owns rows w and 15 - w of every block (17
+        // pairs a block, so warps balance); lane = column s of the block + 16 x (parity of the
+        // dimensions it sums), and the two parities meet in one shuffle.
+        {
+            const int sl = lane & 15, par = lane >> 4;
+            for (int blk = 0; blk < CH / SB; ++blk) {
+#pragma unroll
+                for (int side = 0; side < 2; ++side) {
+                    const int tl = side ? SB - 1 - warp : warp, t = blk * SB + tl, s = blk * SB + sl;
+                    float a = 0.0f, m = 0.0f;
+                    if (sl <= tl) {
+#pragma unroll 8
+                        for (int d = par; d < DH; d += 2) {
+                            const float x = expf(Gs[t * P + d] - Gs[s * P + d]) * Ks[s * P + d];
+                            a = __fmaf_rn(Ks[t * P + d], x, a);
+                            m = __fmaf_rn(Qs[t * P + d], x, m);
+                        }
+                    }
+                    a += __shfl_xor_sync(0xffffffffu, a, 16);
+                    m += __shfl_xor_sync(0xffffffffu, m, 16);
+                    if (par == 0 && sl <= tl) {
+                        if (sl < tl) A[t * AP + s] += a;
+                        Ms[t * AP + s] += m;
+                    }
+                }
             }
         }
-        A[t * AP + s] = s < t ? a : 0.0f;
-        M[i] = m;
+
+        // Blocks below the diagonal, a block row at a time: rows r.. of A and Aqk against
+        // every earlier row, as [k_t; q_t] exp(G_t - G_r) times (k_s exp(G_r - G_s))^T.
+        for (int r = SB; r < CH; r += SB) {
+            __syncthreads();  // Es free (totals read, or the last block row's products done)
+            for (int i = tid; i < (r + 2 * SB) * DH / 2; i += THREADS) {
+                const int row = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
+                const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
+                const bool early = row < r;  // k_s exp(G_r - G_s), else k_t or q_t exp(G_t - G_r)
+                const int src = early ? row : r + (row - r) % SB;
+                const float2 x = *reinterpret_cast<const float2*>(
+                    (early || row - r < SB ? Ks : Qs) + src * P + c2);
+                const float2 G = *reinterpret_cast<const float2*>(Gs + src * P + c2);
+                const float sgn = early ? -1.0f : 1.0f;
+                *reinterpret_cast<float2*>(Es + (early ? row : KT + row - r) * PE + c2) =
+                    make_float2(x.x * expf(sgn * (G.x - Gr.x)), x.y * expf(sgn * (G.y - Gr.y)));
+            }
+            __syncthreads();
+            // [2 SB, r] += [2 SB, DH] x [DH, r]: m-tile 0 adds to A, m-tile 1 to Aqk
+            for (int tile = warp; tile < 2 * (r / 8); tile += THREADS / 32) {
+                const int mt = tile % 2, n0 = 8 * (tile / 2);
+                float* dst = (mt ? Ms : A) + (r + g) * AP + n0 + 2 * t4;
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int k0 = 0; k0 < DH; k0 += 8) {
+                    const float* ar = Es + (KT + SB * mt + g) * PE + k0 + t4;
+                    const float a[4] = {ar[0], ar[8 * PE], ar[4], ar[8 * PE + 4]};
+                    const float* br = Es + (n0 + g) * PE + k0 + t4;
+                    const float b[2] = {br[0], br[4]};
+                    mma3(c, e, a, b);
+                }
+                dst[0] += c[0] + e[0], dst[1] += c[1] + e[1];
+                dst[8 * AP] += c[2] + e[2], dst[8 * AP + 1] += c[3] + e[3];
+            }
+        }
+        __syncthreads();  // before the next dimensions overwrite G, k, q
     }
-    __syncthreads();
-    // One column of [v | k exp(G)] per thread; the substitution is serial in rows only, and
-    // each row of A is read four entries at a time.
+    {
+        float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
+        for (int i = tid; i < CH * CH / 4; i += THREADS)
+            reinterpret_cast<float4*>(Mg)[i] =
+                *reinterpret_cast<const float4*>(Ms + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4);
+    }
+
+    // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)]: one column a thread, forward
+    // substitution over the rows; four partial sums keep the dot products' chains short.
+    static_assert(2 * D <= THREADS, "one solve column a thread");
     const int col = tid;
     if (col < 2 * D) {
+        const int dc = col < D ? col : col - D;
+        const float* src = (col < D ? v : w_out) + row0 + dc;
+        float* dst = (col < D ? u_out : w_out) + row0 + dc;
         float x[CH];
 #pragma unroll
         for (int r = 0; r < CH; ++r) {
-            const int t = c0 + r;
-            float b;
-            if (col < D) b = pick(t < T, v[((u64)t * H + h) * D + col]);
-            else b = Ks[r * P + col - D] * expf(Gs[r * P + col - D]);
-            float acc = 0.0f;
+            const float b = col < D ? pick(c0 + r < T, src[r * rstride]) : src[r * rstride];
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int s = 0; s < (r & ~3); s += 4) {
                 const float4 a4 = *reinterpret_cast<const float4*>(A + r * AP + s);
-                acc = __fmaf_rn(a4.x, x[s], acc);
-                acc = __fmaf_rn(a4.y, x[s + 1], acc);
-                acc = __fmaf_rn(a4.z, x[s + 2], acc);
-                acc = __fmaf_rn(a4.w, x[s + 3], acc);
+                acc[0] = __fmaf_rn(a4.x, x[s], acc[0]);
+                acc[1] = __fmaf_rn(a4.y, x[s + 1], acc[1]);
+                acc[2] = __fmaf_rn(a4.z, x[s + 2], acc[2]);
+                acc[3] = __fmaf_rn(a4.w, x[s + 3], acc[3]);
             }
 #pragma unroll
-            for (int s = r & ~3; s < r; ++s) acc = __fmaf_rn(A[r * AP + s], x[s], acc);
-            x[r] = Bs[r] * (b - acc);
+            for (int s = r & ~3; s < r; ++s) acc[s & 3] = __fmaf_rn(A[r * AP + s], x[s], acc[s & 3]);
+            x[r] = Bs[r] * (b - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
+            dst[r * rstride] = x[r];
         }
-        float* dst = col < D ? u_out : w_out;
-        const int dc = col < D ? col : col - D;
-#pragma unroll
-        for (int r = 0; r < CH; ++r) dst[((u64)(c0 + r) * H + h) * D + dc] = x[r];
     }
 }
 
-// Copy rows [c0, c0+CH) of one head of a [T_pad, H, D] fp32 buffer (columns [col0, col0+N))
-// into shared memory rows of stride ld. The trip count is a compile-time constant, so every
-// thread issues all its 16-byte loads before its first store: one memory latency a stage,
-// not one per iteration.
+// Queue rows [c0, c0+CH), columns [col0, col0+N) of one head of a [T_pad, H, D] fp32 buffer
+// into shared rows of stride ld (16-byte pieces; the copy runs behind the arithmetic).
 template <int N>
-__device__ __forceinline__ void stage_rows(float* dst, int ld, const float* __restrict__ src,
-                                           int c0, int h, int H, int D, int col0) {
-    constexpr int PER_ROW = N / 4, ITER = CH * PER_ROW / THREADS;
-    float4 v[ITER];
+__device__ __forceinline__ void stage_async(float* dst, int ld, const float* __restrict__ src,
+                                            int c0, int h, int H, int D, int col0) {
+    constexpr int PER_ROW = N / 4, ITER = (CH * PER_ROW + THREADS - 1) / THREADS;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
-        const int i = threadIdx.x + it * THREADS, r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
-        v[it] = __ldg(reinterpret_cast<const float4*>(src + ((u64)(c0 + r) * H + h) * D + col0 + q4));
-    }
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const int i = threadIdx.x + it * THREADS, r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
-        *reinterpret_cast<float4*>(dst + r * ld + q4) = v[it];
+        const int i = threadIdx.x + it * THREADS;
+        if (CH * PER_ROW % THREADS == 0 || i < CH * PER_ROW) {
+            const int r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
+            cp_async16(dst + r * ld + q4, src + ((u64)(c0 + r) * H + h) * D + col0 + q4);
+        }
     }
 }
 
-template <int D>
+// Shared-memory strides: an A fragment read row-major (rows g, columns t) hits bank 4g + t
+// with a stride = 4 mod 32; read transposed (rows t, columns g), and every B fragment, hit
+// bank 8t + g with a stride = 8 mod 32. Both are conflict-free.
+template <int D, int VS>
+struct Walk {
+    static constexpr int LDA = D + 4;   // w, qg: A operands read row-major
+    static constexpr int LDK = D + 8;   // kd: the A operand of kd^T W, read transposed
+    static constexpr int LDN = VS + 8;  // u, W, S: B operands (and u, the W init)
+    static constexpr int W_OFF = 0, Q_OFF = W_OFF + CH * LDA, K_OFF = Q_OFF + CH * LDA;
+    static constexpr int U_OFF = K_OFF + CH * LDK, A_OFF = U_OFF + CH * LDN;
+    static constexpr int S_OFF = A_OFF + CH * AP, WM_OFF = S_OFF + D * LDN;
+    static constexpr int GL_OFF = WM_OFF + CH * LDN, FLOATS = GL_OFF + D;
+    // W and O are [CH, VS]: warps tile 4 row blocks x 2 column halves.
+    static constexpr int NT1 = VS / 16;
+    // S is [D, VS]: D / 16 row blocks x (8 / (D / 16)) column groups.
+    static constexpr int RB3 = D / 16, CG3 = 8 / RB3, NT3 = VS / 8 / CG3;
+};
+
+template <int D, int VS>
 __device__ void chunk_inter(const float* __restrict__ qg, const float* __restrict__ kd,
                             const float* __restrict__ gl, const float* __restrict__ w_in,
                             const float* __restrict__ u_in, const float* __restrict__ aqk,
                             float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
                             int H) {
-    constexpr int BP = D + 4;        // staged [CH][D] operand, padded so 4 rows hit 4 banks
-    constexpr int RPT = D / 32;      // state rows per thread in the update
-    extern __shared__ float sm[];
-    float* buf = sm;                 // [CH][BP]: w, then qg, then kd
-    float* Ms = buf + CH * BP;       // [CH][AP]
-    float* Wm = Ms + CH * AP;        // [CH][VS]
-    float* S = Wm + CH * VS;         // [D][VS]
-    float* gls = S + D * VS;         // [D]
-    const int h = blockIdx.x, v0 = blockIdx.y * VS, tid = threadIdx.x;
-    const int cg = tid % 8, rg = tid / 8;  // 8 column groups of 4, 32 row groups
-    const int r0 = 2 * rg, c4 = 4 * cg;
-    for (int i = tid; i < D * VS; i += blockDim.x) {
-        const int d = i / VS, vv = i % VS;
-        S[i] = state[((u64)h * D + v0 + vv) * D + d];
-    }
-    for (int c0 = 0; c0 < T_pad; c0 += CH) {
-        const int ci = c0 / CH;
-        __syncthreads();
-        stage_rows<D>(buf, BP, w_in, c0, h, H, D, 0);
-        stage_rows<VS>(Wm, VS, u_in, c0, h, H, D, v0);
-        if (tid < D) gls[tid] = gl[((u64)ci * H + h) * D + tid];
-        __syncthreads();
-        // W = u - w S: rows r0, r0+1, columns c4..c4+3 of this thread
-        float acc[2][4];
+    using L = Walk<D, VS>;
+    extern __shared__ __align__(16) float sm[];
+    float *Wb = sm + L::W_OFF, *Qb = sm + L::Q_OFF, *Kb = sm + L::K_OFF, *Ub = sm + L::U_OFF;
+    float *Ab = sm + L::A_OFF, *Ss = sm + L::S_OFF, *Wm = sm + L::WM_OFF, *gls = sm + L::GL_OFF;
+    const int h = blockIdx.x, v0 = blockIdx.y * VS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    // W / O tile of this warp: rows m1.., columns n1..
+    const int m1 = 16 * (warp % 4), n1 = (VS / 2) * (warp / 4);
+    // S tile of this warp: rows m3.. (state's k index), columns n3.. (v index)
+    const int m3 = 16 * (warp % L::RB3), n3 = (VS / L::CG3) * (warp / L::RB3);
+    const int nchunks = T_pad / CH;
+
+    // Loads run a product ahead: w, u, gl of chunk c+1 while O and S of chunk c are formed,
+    // qg and Aqk of chunk c+1 during S of chunk c, kd of chunk c during W and O. The groups
+    // commit in the order WU(c), QA(c), K(c), WU(c+1), QA(c+1), ...
+    auto issue_wu = [&](int ci) {
+        stage_async<D>(Wb, L::LDA, w_in, ci * CH, h, H, D, 0);
+        stage_async<VS>(Ub, L::LDN, u_in, ci * CH, h, H, D, v0);
+        if (threadIdx.x < D / 4)
+            cp_async16(gls + 4 * threadIdx.x, gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
+    };
+    auto issue_qa = [&](int ci) {
+        stage_async<D>(Qb, L::LDA, qg, ci * CH, h, H, D, 0);
+        const float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = Wm[(r0 + i) * VS + c4 + j];
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) {
-            const float4 s4 = *reinterpret_cast<const float4*>(S + d * VS + c4);
-            const float a0 = buf[r0 * BP + d], a1 = buf[(r0 + 1) * BP + d];
-            acc[0][0] = __fmaf_rn(-a0, s4.x, acc[0][0]); acc[0][1] = __fmaf_rn(-a0, s4.y, acc[0][1]);
-            acc[0][2] = __fmaf_rn(-a0, s4.z, acc[0][2]); acc[0][3] = __fmaf_rn(-a0, s4.w, acc[0][3]);
-            acc[1][0] = __fmaf_rn(-a1, s4.x, acc[1][0]); acc[1][1] = __fmaf_rn(-a1, s4.y, acc[1][1]);
-            acc[1][2] = __fmaf_rn(-a1, s4.z, acc[1][2]); acc[1][3] = __fmaf_rn(-a1, s4.w, acc[1][3]);
+        for (int it = 0; it < CH * CH / 4 / THREADS; ++it) {
+            const int i = threadIdx.x + it * THREADS;
+            cp_async16(Ab + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4, Mg + 4 * i);
         }
+    };
+    issue_wu(0);
+    cp_commit();
+    issue_qa(0);
+    cp_commit();
+
+    float S[L::NT3][4];  // the carried state slice, S[k][v] = state[h][v0 + v][k]
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-            *reinterpret_cast<float4*>(Wm + (r0 + i) * VS + c4) =
-                make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        __syncthreads();
-        // O = qg S + Aqk W (Aqk is zero above the diagonal)
-        stage_rows<D>(buf, BP, qg, c0, h, H, D, 0);
-        {
-            constexpr int ITER = CH * CH / 4 / THREADS;
-            float4 m4[ITER];
-            const float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
+    for (int j = 0; j < L::NT3; ++j)
 #pragma unroll
-            for (int it = 0; it < ITER; ++it)
-                m4[it] = __ldg(reinterpret_cast<const float4*>(Mg) + tid + it * THREADS);
+        for (int i = 0; i < 4; ++i) {
+            const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
+            S[j][i] = state[((u64)h * D + v0 + c) * D + r];
+            Ss[r * L::LDN + c] = S[j][i];
+        }
+
+    for (int ci = 0; ci < nchunks; ++ci) {
+        const int c0 = ci * CH;
+        const bool more = ci + 1 < nchunks;
+        cp_wait<1>();
+        __syncthreads();  // WU(c) landed; S written; the last chunk's reads of kd and W done
+        stage_async<D>(Kb, L::LDK, kd, c0, h, H, D, 0);
+        cp_commit();
+        const float gl0 = gls[m3 + g], gl1 = gls[m3 + g + 8];
+
+        // W = u - w S
+        float acc[L::NT1][4], err[L::NT1][4];
 #pragma unroll
-            for (int it = 0; it < ITER; ++it) {
-                const int i = tid + it * THREADS;
-                *reinterpret_cast<float4*>(Ms + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4) = m4[it];
+        for (int j = 0; j < L::NT1; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[j][i] = Ub[(m1 + g + 8 * (i >> 1)) * L::LDN + n1 + 8 * j + 2 * t4 + (i & 1)];
+                err[j][i] = 0.0f;
             }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) {
-            const float4 s4 = *reinterpret_cast<const float4*>(S + d * VS + c4);
-            const float a0 = buf[r0 * BP + d], a1 = buf[(r0 + 1) * BP + d];
-            acc[0][0] = __fmaf_rn(a0, s4.x, acc[0][0]); acc[0][1] = __fmaf_rn(a0, s4.y, acc[0][1]);
-            acc[0][2] = __fmaf_rn(a0, s4.z, acc[0][2]); acc[0][3] = __fmaf_rn(a0, s4.w, acc[0][3]);
-            acc[1][0] = __fmaf_rn(a1, s4.x, acc[1][0]); acc[1][1] = __fmaf_rn(a1, s4.y, acc[1][1]);
-            acc[1][2] = __fmaf_rn(a1, s4.z, acc[1][2]); acc[1][3] = __fmaf_rn(a1, s4.w, acc[1][3]);
-        }
-        for (int s = 0; s <= r0 + 1; ++s) {
-            const float4 w4 = *reinterpret_cast<const float4*>(Wm + s * VS + c4);
-            const float m0 = Ms[r0 * AP + s], m1 = Ms[(r0 + 1) * AP + s];
-            acc[0][0] = __fmaf_rn(m0, w4.x, acc[0][0]); acc[0][1] = __fmaf_rn(m0, w4.y, acc[0][1]);
-            acc[0][2] = __fmaf_rn(m0, w4.z, acc[0][2]); acc[0][3] = __fmaf_rn(m0, w4.w, acc[0][3]);
-            acc[1][0] = __fmaf_rn(m1, w4.x, acc[1][0]); acc[1][1] = __fmaf_rn(m1, w4.y, acc[1][1]);
-            acc[1][2] = __fmaf_rn(m1, w4.z, acc[1][2]); acc[1][3] = __fmaf_rn(m1, w4.w, acc[1][3]);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int t = c0 + r0 + i;
-            const float4 o = t < T ? make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3])
-                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            *reinterpret_cast<float4*>(core + ((u64)t * H + h) * D + v0 + c4) = o;
-        }
-        __syncthreads();
-        // S = gl S + kd^T W: rows RPT*rg.., columns c4..c4+3 of this thread
-        stage_rows<D>(buf, BP, kd, c0, h, H, D, 0);
-        __syncthreads();
-        const int d0 = RPT * rg;
-        float sacc[RPT][4];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) sacc[i][j] = gls[d0 + i] * S[(d0 + i) * VS + c4 + j];
 #pragma unroll 4
-        for (int r = 0; r < CH; ++r) {
-            const float4 w4 = *reinterpret_cast<const float4*>(Wm + r * VS + c4);
+        for (int k0 = 0; k0 < D; k0 += 8) {
+            const float* ar = Wb + (m1 + g) * L::LDA + k0 + t4;
+            const float a[4] = {-ar[0], -ar[8 * L::LDA], -ar[4], -ar[8 * L::LDA + 4]};
 #pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                const float kv = buf[r * BP + d0 + i];
-                sacc[i][0] = __fmaf_rn(kv, w4.x, sacc[i][0]); sacc[i][1] = __fmaf_rn(kv, w4.y, sacc[i][1]);
-                sacc[i][2] = __fmaf_rn(kv, w4.z, sacc[i][2]); sacc[i][3] = __fmaf_rn(kv, w4.w, sacc[i][3]);
+            for (int j = 0; j < L::NT1; ++j) {
+                const float* br = Ss + (k0 + t4) * L::LDN + n1 + 8 * j + g;
+                const float b[2] = {br[0], br[4 * L::LDN]};
+                mma3(acc[j], err[j], a, b);
             }
         }
 #pragma unroll
-        for (int i = 0; i < RPT; ++i)
-            *reinterpret_cast<float4*>(S + (d0 + i) * VS + c4) =
-                make_float4(sacc[i][0], sacc[i][1], sacc[i][2], sacc[i][3]);
+        for (int j = 0; j < L::NT1; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; i += 2)
+                *reinterpret_cast<float2*>(Wm + (m1 + g + 4 * i) * L::LDN + n1 + 8 * j + 2 * t4) =
+                    make_float2(acc[j][i] + err[j][i], acc[j][i + 1] + err[j][i + 1]);
+        __syncthreads();  // W complete; w, u, gl free
+        if (more) issue_wu(ci + 1);
+        cp_commit();
+
+        // O = qg S + Aqk W; Aqk is zero above the diagonal, so k stops at this row block's end
+        cp_wait<2>();
+        __syncthreads();  // QA(c) landed
+#pragma unroll
+        for (int j = 0; j < L::NT1; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
+#pragma unroll 4
+        for (int k0 = 0; k0 < D; k0 += 8) {
+            const float* ar = Qb + (m1 + g) * L::LDA + k0 + t4;
+            const float a[4] = {ar[0], ar[8 * L::LDA], ar[4], ar[8 * L::LDA + 4]};
+#pragma unroll
+            for (int j = 0; j < L::NT1; ++j) {
+                const float* br = Ss + (k0 + t4) * L::LDN + n1 + 8 * j + g;
+                const float b[2] = {br[0], br[4 * L::LDN]};
+                mma3(acc[j], err[j], a, b);
+            }
+        }
+        for (int k0 = 0; k0 < m1 + 16; k0 += 8) {
+            const float* ar = Ab + (m1 + g) * AP + k0 + t4;
+            const float a[4] = {ar[0], ar[8 * AP], ar[4], ar[8 * AP + 4]};
+#pragma unroll
+            for (int j = 0; j < L::NT1; ++j) {
+                const float* br = Wm + (k0 + t4) * L::LDN + n1 + 8 * j + g;
+                const float b[2] = {br[0], br[4 * L::LDN]};
+                mma3(acc[j], err[j], a, b);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < L::NT1; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const int t = c0 + m1 + g + 4 * i;
+                if (t < T)
+                    *reinterpret_cast<float2*>(core + ((u64)t * H + h) * D + v0 + n1 + 8 * j + 2 * t4) =
+                        make_float2(acc[j][i] + err[j][i], acc[j][i + 1] + err[j][i + 1]);
+            }
+
+        // S = gl S + kd^T W
+        cp_wait<1>();
+        __syncthreads();  // K(c) landed; every read of qg, Aqk and the old S is done
+        if (more) issue_qa(ci + 1);
+        cp_commit();
+        float se[L::NT3][4];
+#pragma unroll
+        for (int j = 0; j < L::NT3; ++j) {
+            S[j][0] *= gl0, S[j][1] *= gl0, S[j][2] *= gl1, S[j][3] *= gl1;
+            se[j][0] = se[j][1] = se[j][2] = se[j][3] = 0.0f;
+        }
+#pragma unroll
+        for (int k0 = 0; k0 < CH; k0 += 8) {
+            const float* ar = Kb + (k0 + t4) * L::LDK + m3 + g;
+            const float a[4] = {ar[0], ar[8], ar[4 * L::LDK], ar[4 * L::LDK + 8]};
+#pragma unroll
+            for (int j = 0; j < L::NT3; ++j) {
+                const float* br = Wm + (k0 + t4) * L::LDN + n3 + 8 * j + g;
+                const float b[2] = {br[0], br[4 * L::LDN]};
+                mma3(S[j], se[j], a, b);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < L::NT3; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) S[j][i] += se[j][i];
+#pragma unroll
+            for (int i = 0; i < 4; i += 2)
+                *reinterpret_cast<float2*>(Ss + (m3 + g + 4 * i) * L::LDN + n3 + 8 * j + 2 * t4) =
+                    make_float2(S[j][i], S[j][i + 1]);
+        }
     }
-    __syncthreads();
-    for (int i = tid; i < D * VS; i += blockDim.x) {
-        const int d = i / VS, vv = i % VS;
-        state[((u64)h * D + v0 + vv) * D + d] = S[i];
-    }
+    cp_wait<0>();
+#pragma unroll
+    for (int j = 0; j < L::NT3; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
+            state[((u64)h * D + v0 + c) * D + r] = S[j][i];
+        }
 }
 
-#define KDA_CHUNK(D)                                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS) kda_chunk_intra_d##D(                    \
+#define KDA_CHUNK_INTRA(D)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
         float* qg, float* kd, float* gl, float* w, float* u, float* aqk, int T, int T_pad,     \
         int H, float scale) {                                                                  \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS) kda_chunk_inter_d##D(                    \
+    }
+#define KDA_CHUNK_INTER(D, VS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_chunk_inter_d##D##_v##VS(     \
         const float* qg, const float* kd, const float* gl, const float* w, const float* u,     \
         const float* aqk, float* state, float* core, int T, int T_pad, int H) {                \
-        chunk_inter<D>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                       \
+        chunk_inter<D, VS>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                   \
     }
-KDA_CHUNK(64)
-KDA_CHUNK(128)
+KDA_CHUNK_INTRA(64)
+KDA_CHUNK_INTRA(128)
+KDA_CHUNK_INTER(64, 32)
+KDA_CHUNK_INTER(64, 64)
+KDA_CHUNK_INTER(128, 32)
+KDA_CHUNK_INTER(128, 64)

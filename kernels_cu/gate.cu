@@ -1,7 +1,9 @@
-// Forget gate and beta, grid-parallel over tokens so one launch serves decode, decode_k's
-// K rows and prefill alike. Rows >= T are written as zeros (the core never reads them).
+// Forget gate and beta for prefill, grid-parallel over tokens (decode computes the same
+// values in the low-rank GEMV epilogue). Rows >= T are written as zeros (the core never reads them).
 #include "gate.cuh"
 
+// One thread per 8 gate channels (a 16-byte g_raw load, two float4 stores); the thread of
+// channel group i < H also writes beta for head i.
 extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
                                          const bf16* __restrict__ b_raw, int ldb,
                                          const float* __restrict__ a_log,
@@ -9,15 +11,26 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
                                          float* __restrict__ gate, float* __restrict__ beta,
                                          int T, int T_pad, int H, int D, float lower_bound,
                                          int bounded) {
-    const int qkv = H * D;
+    const int groups = H * D / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)T_pad * qkv) return;
-    const int t = (int)(i / qkv), c = (int)(i % qkv);
+    if (i >= (long long)T_pad * groups) return;
+    const int t = (int)(i / groups), cg = (int)(i % groups), c = 8 * cg;
+    float4* out = reinterpret_cast<float4*>(gate + (u64)t * H * D + c);
     if (t >= T) {
-        gate[i] = 0.0f;
-        if (c < H) beta[(u64)t * H + c] = 0.0f;
+        out[0] = out[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (cg < H) beta[(u64)t * H + cg] = 0.0f;
         return;
     }
-    gate[i] = kda_gate_value(bf2f(g_raw[i]) + dt_bias[c], expf(a_log[c / D]), lower_bound, bounded);
-    if (c < H) beta[(u64)t * H + c] = sigmoidf_(bf2f(b_raw[(u64)t * ldb + c]));
+    float x[8];
+    unpack8(*reinterpret_cast<const uint4*>(g_raw + (u64)t * H * D + c), x);
+    const float4 b0 = *reinterpret_cast<const float4*>(dt_bias + c);
+    const float4 b1 = *reinterpret_cast<const float4*>(dt_bias + c + 4);
+    const float bias[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    const float a = expf(a_log[c / D]);  // D is a multiple of 8: one head per group
+    float gv[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) gv[e] = kda_gate_value(x[e] + bias[e], a, lower_bound, bounded);
+    out[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
+    out[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
+    if (cg < H) beta[(u64)t * H + cg] = sigmoidf_(bf2f(b_raw[(u64)t * ldb + cg]));
 }

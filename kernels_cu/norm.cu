@@ -1,6 +1,31 @@
 // Output gate: RMSNorm over each head's D core values, times o_norm weight and
-// sigmoid(out_gate); one warp per (token, head).
+// sigmoid(out_gate); one warp per (token, head), each lane D/32 adjacent values (one 16- or
+// 8-byte load of core, one 8- or 4-byte store).
 #include "common.cuh"
+
+template <int DL>
+__device__ void gated_rmsnorm_vec(const float* __restrict__ core, const bf16* __restrict__ out_gate,
+                                  const float* __restrict__ w, bf16* __restrict__ out, u64 vec,
+                                  int lane, int D, float eps) {
+    const u64 o = vec * D + DL * lane;
+    float v[DL], ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < DL; e += 2) {
+        const float2 x = *reinterpret_cast<const float2*>(core + o + e);
+        v[e] = x.x, v[e + 1] = x.y;
+        ss = __fmaf_rn(x.x, x.x, ss);
+        ss = __fmaf_rn(x.y, x.y, ss);
+    }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+    for (int e = 0; e < DL; e += 2) {
+        const unsigned gp = *reinterpret_cast<const unsigned*>(out_gate + o + e);
+        const float2 wp = *reinterpret_cast<const float2*>(w + DL * lane + e);
+        const bf16 r0 = f2bf(v[e] * inv * wp.x * sigmoidf_(__uint_as_float(gp << 16)));
+        const bf16 r1 = f2bf(v[e + 1] * inv * wp.y * sigmoidf_(__uint_as_float(gp & 0xffff0000u)));
+        *reinterpret_cast<unsigned*>(out + o + e) = r0 | (unsigned)r1 << 16;
+    }
+}
 
 extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core,
                                          const bf16* __restrict__ out_gate,
@@ -9,21 +34,6 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core,
     const int vec = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (vec >= T * H) return;
-    const float* c = core + (u64)vec * D;
-    float v[4];
-    float ss = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        if (e >= D / 32) break;
-        v[e] = c[lane + 32 * e];
-        ss = __fmaf_rn(v[e], v[e], ss);
-    }
-    const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        if (e >= D / 32) break;
-        const int d = lane + 32 * e;
-        const u64 o = (u64)vec * D + d;
-        out[o] = f2bf(v[e] * inv * w[d] * sigmoidf_(bf2f(out_gate[o])));
-    }
+    if (D == 128) gated_rmsnorm_vec<4>(core, out_gate, w, out, vec, lane, D, eps);
+    else gated_rmsnorm_vec<2>(core, out_gate, w, out, vec, lane, D, eps);
 }

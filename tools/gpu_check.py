@@ -3,6 +3,7 @@
 benchmarks (with fla alongside where importable) and a short summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
+        [--only decode|prefill] [--tokens 1024,4096] [--no-fla] [--pytest-args "-k prefill"]
 
 Installs nothing. Full results go to $OUT/gpu_check.json when OUT is set.
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -39,6 +41,9 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer presets and lengths")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
+    ap.add_argument("--only", choices=("decode", "prefill"), help="one benchmark mode")
+    ap.add_argument("--tokens", help="prefill lengths, comma-separated")
+    ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
     args = ap.parse_args()
 
     from kdarun import bench, open_backend
@@ -46,19 +51,21 @@ def main() -> int:
     report: dict = {"device": gpu.device_name}
     tests = None
     if not args.skip_tests:
-        tests = report["tests"] = run_tests(args.pytest_args.split())
+        tests = report["tests"] = run_tests(shlex.split(args.pytest_args))
     rows: list[tuple[str, str, str]] = []
     if not args.skip_bench:
         stream = gpu.create_stream()
         ceil = bench.measure_ceilings(gpu, stream)
         report["ceilings"] = vars(ceil)
-        use_fla = bench.fla_available()
+        use_fla = not args.no_fla and bench.fla_available()
         report["fla"] = use_fla
         presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "large"]
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
+        if args.tokens:
+            tokens = [int(x) for x in args.tokens.split(",")]
         report["decode"], report["prefill"] = [], []
         for preset in presets:
-            for k, graph in ((1, True), (1, False), (4, True)):
+            for k, graph in ((1, True), (1, False), (4, True)) if args.only != "prefill" else ():
                 r = bench.bench_decode(gpu, preset, k, graph, ceil, stream)
                 if use_fla and k == 1:
                     r.fla_us = bench.fla_decode_us(preset, graph)
@@ -74,6 +81,8 @@ def main() -> int:
                 if graph:
                     print("  each launch (graph of 20), us: " + ", ".join(
                         f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
+            if args.only == "decode":
+                continue
             res = bench.bench_prefill(gpu, preset, tokens, stream)
             fla = bench.fla_prefill_ms(preset, tokens) if use_fla else [(None, None)] * len(tokens)
             for r, (f_ms, f_core) in zip(res, fla):
@@ -85,6 +94,8 @@ def main() -> int:
                              f"{r.ms:.3f} ms, core {r.core_ms:.3f} ms, GEMMs {r.gemm_ms:.3f} ms"
                              f"{vs}"))
                 print(rows[-1], flush=True)
+                print("  each step alone, ms: " + ", ".join(
+                    f"{n} {v:.3f}" for n, v in r.kernels_ms.items()), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
     print("\n==== kdarun GPU check:", report["device"], "====")
