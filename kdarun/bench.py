@@ -74,7 +74,7 @@ def measure_ceilings(gpu: GpuBackend, stream: int) -> Ceilings:
     return Ceilings(2 * n / ms / 1e6, 2 * s ** 3 / gms / 1e9, err)
 
 
-def _bound_layers(gpu: GpuBackend, cfg: Glm5NextKdaConfig, n: int, seed: int, stream: int):
+def bound_layers(gpu: GpuBackend, cfg: Glm5NextKdaConfig, n: int, seed: int, stream: int):
     kernels = Glm5NextKdaKernels(gpu, cfg)
     rng = np.random.default_rng(seed)
     return [Glm5NextKdaLayer(i, cfg, Glm5NextKdaWeights.upload(
@@ -82,7 +82,7 @@ def _bound_layers(gpu: GpuBackend, cfg: Glm5NextKdaConfig, n: int, seed: int, st
         for i in range(n)]
 
 
-def _random_state(gpu, cfg, rng, stream) -> KdaSeqState:
+def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     s = KdaSeqState(gpu, cfg, stream)
     s.upload((rng.standard_normal(recurrent_shape(cfg), dtype=np.float32) * 0.05),
              rng.standard_normal((cfg.conv_kernel - 1, cfg.conv_dim), dtype=np.float32).astype(BF16),
@@ -116,10 +116,10 @@ def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int) ->
 def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilings,
                  stream: int, reps: int = 200, gate: str = "softplus") -> DecodeResult:
     cfg = synthetic.preset_config(preset, gate)
-    layers = _bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
+    layers = bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max(k, 1))
     rng = np.random.default_rng(2)
-    states = [_random_state(gpu, cfg, rng, stream) for _ in layers]
+    states = [random_state(gpu, cfg, rng, stream) for _ in layers]
     h = gpu.upload(random_hidden(k, cfg.hidden_size, 3), stream)
 
     def step() -> None:
@@ -193,10 +193,10 @@ def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
 def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                   gate: str = "bounded") -> list[PrefillResult]:
     cfg = synthetic.preset_config(preset, gate)
-    (layer,) = _bound_layers(gpu, cfg, 1, 5, stream)
+    (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max(tokens))
     rng = np.random.default_rng(6)
-    state = _random_state(gpu, cfg, rng, stream)
+    state = random_state(gpu, cfg, rng, stream)
     h = gpu.upload(random_hidden(max(tokens), cfg.hidden_size, 7), stream)
     out = []
     for t in tokens:
