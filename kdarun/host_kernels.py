@@ -166,6 +166,57 @@ def _kda_decode_rows(D):
 
 
 # -- chunk (WY) ------------------------------------------------------------------------------
+def split_words(x: np.ndarray) -> np.ndarray:
+    """fp32 [..., 2n] -> uint32 [..., 2n]: each pair (x0, x1) along the last axis becomes the
+    words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders x - hi, in that
+    order. The chunk walk's tensor-core products read their operands in this form."""
+    x = np.asarray(x, F32)
+    hi = x.astype(BF)
+    lo = (x - hi.astype(F32)).astype(BF)
+    hb, lb = hi.view(np.uint16).astype(np.uint32), lo.view(np.uint16).astype(np.uint32)
+    out = np.empty(x.shape, np.uint32)
+    out[..., 0::2] = hb[..., 0::2] | hb[..., 1::2] << 16
+    out[..., 1::2] = lb[..., 0::2] | lb[..., 1::2] << 16
+    return out
+
+
+def join_words(w: np.ndarray) -> np.ndarray:
+    """The inverse of `split_words` up to the split's rounding: hi + lo, exact in fp32."""
+    w = np.asarray(w, np.uint32)
+
+    def halves(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        u = np.ascontiguousarray(u)
+        return (u << 16).view(F32), (u & np.uint32(0xFFFF0000)).view(F32)
+
+    h0, h1 = halves(w[..., 0::2])
+    l0, l1 = halves(w[..., 1::2])
+    out = np.empty(w.shape, F32)
+    out[..., 0::2], out[..., 1::2] = h0 + l0, h1 + l1
+    return out
+
+
+# kd pairs along T: values [C, H, D] -> [C/2, H, 2D] with (row 2p, row 2p+1) adjacent per
+# dimension; its words then fold back to [C, H, D], pair row p's first D words in token row 2p.
+def _pair_t(x: np.ndarray) -> np.ndarray:
+    c, h, d = x.shape
+    return x.reshape(c // 2, 2, h, d).transpose(0, 2, 3, 1).reshape(c // 2, h, 2 * d)
+
+
+def _unpair_t(p: np.ndarray) -> np.ndarray:
+    c2, h, d2 = p.shape
+    return p.reshape(c2, h, d2 // 2, 2).transpose(0, 3, 1, 2).reshape(2 * c2, h, d2 // 2)
+
+
+def _fold(p: np.ndarray) -> np.ndarray:
+    c2, h, d2 = p.shape
+    return p.reshape(c2, h, 2, d2 // 2).transpose(0, 2, 1, 3).reshape(2 * c2, h, d2 // 2)
+
+
+def _unfold(x: np.ndarray) -> np.ndarray:
+    c, h, d = x.shape
+    return x.reshape(c // 2, 2, h, d).transpose(0, 2, 1, 3).reshape(c // 2, h, 2 * d)
+
+
 def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
     """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
     (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
@@ -176,7 +227,7 @@ def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
 def _kda_chunk_intra(D):
     def run(gpu, q, k, v, gate, beta, qg, kd, gl, w, u, aqk, t, t_pad, H, scale):
         causal = np.tril(np.ones((CHUNK, CHUNK), bool))
-        full = lambda p: gpu.view(p, (t_pad, H, D), F32)  # noqa: E731
+        words = lambda p: gpu.view(p, (t_pad, H, D), np.uint32)  # noqa: E731
         for ci in range(t_pad // CHUNK):
             c0 = ci * CHUNK
             rows = slice(c0, c0 + CHUNK)
@@ -187,8 +238,9 @@ def _kda_chunk_intra(D):
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
             g_last = G[:, -1:, :]
             gpu.view(gl, (t_pad // CHUNK, H, D), F32)[ci] = np.exp(g_last[:, 0])
-            full(qg)[rows] = (qc * np.exp(G)).transpose(1, 0, 2)
-            full(kd)[rows] = (kc * np.exp(g_last - G)).transpose(1, 0, 2)
+            words(qg)[rows] = split_words((qc * np.exp(G)).transpose(1, 0, 2))
+            kdc = (kc * np.exp(g_last - G)).transpose(1, 0, 2)  # [C, H, D]
+            words(kd)[rows] = _fold(split_words(_pair_t(kdc)))
             diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
             decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
             A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
@@ -199,9 +251,9 @@ def _kda_chunk_intra(D):
             for i in range(CHUNK):  # forward substitution through I + diag(b) A
                 X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
                                                                  X[:, :i])
-            full(u)[rows] = X[:, :, :D].transpose(1, 0, 2)
-            full(w)[rows] = X[:, :, D:].transpose(1, 0, 2)
-            gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci] = M
+            gpu.view(u, (t_pad, H, D), F32)[rows] = X[:, :, :D].transpose(1, 0, 2)
+            words(w)[rows] = split_words(X[:, :, D:].transpose(1, 0, 2))
+            gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), np.uint32)[ci] = split_words(M)
     return run
 
 
@@ -210,11 +262,13 @@ def _kda_chunk_inter(D):
         S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
         St = S.transpose(0, 2, 1).copy()  # [h, k, v]
         out = gpu.view(core, (t_pad, H, D), F32)
+        words = lambda p: gpu.view(p, (t_pad, H, D), np.uint32)  # noqa: E731
         for ci in range(t_pad // CHUNK):
             rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
-            Qg, Kd, Wk, U = (gpu.view(p, (t_pad, H, D), F32)[rows].transpose(1, 0, 2)
-                             for p in (qg, kd, w, u))
-            M = gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), F32)[ci]
+            Qg, Wk = (join_words(words(p)[rows]).transpose(1, 0, 2) for p in (qg, w))
+            Kd = _unpair_t(join_words(_unfold(words(kd)[rows]))).transpose(1, 0, 2)
+            U = gpu.view(u, (t_pad, H, D), F32)[rows].transpose(1, 0, 2)
+            M = join_words(gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), np.uint32)[ci])
             Wm = U - Wk @ St  # [H, C, Dv]
             o = Qg @ St + M @ Wm
             valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t

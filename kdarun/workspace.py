@@ -19,6 +19,7 @@ from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
+U32 = np.dtype(np.uint32)  # split words: see host_kernels.split_words
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
 
@@ -68,15 +69,19 @@ BUFFERS: tuple[BufferSpec, ...] = (
     # private scratch
     BufferSpec("proj", _rows(lambda c: c.proj_width), BF16, False,
                "[T, proj_width] q|k|v|f_a|g_a|b", "the packed input projection"),
-    BufferSpec("chunk_qg", _heads, F32, False, "[T_pad, H, D]",
+    BufferSpec("chunk_qg", _heads, U32, False, "[T_pad, H, D] split words, pairs along D",
                "q * scale * exp(G), G the in-chunk cumulative log-decay"),
-    BufferSpec("chunk_kd", _heads, F32, False, "[T_pad, H, D]", "k * exp(G_last - G)"),
+    BufferSpec("chunk_kd", _heads, U32, False,
+               "[T_pad, H, D] split words, pairs along T (rows 2p, 2p+1 hold pair p)",
+               "k * exp(G_last - G)"),
     BufferSpec("chunk_gl", lambda c, t, tp: (tp // CHUNK, c.num_heads, c.head_dim), F32, False,
                "[T_pad/C, H, D]", "exp(G_last) per chunk"),
-    BufferSpec("chunk_w", _heads, F32, False, "[T_pad, H, D]", "WY: (I + bA)^-1 b (K * Gamma)"),
+    BufferSpec("chunk_w", _heads, U32, False, "[T_pad, H, D] split words, pairs along D",
+               "WY: (I + bA)^-1 b (K * Gamma)"),
     BufferSpec("chunk_u", _heads, F32, False, "[T_pad, H, D]", "WY: (I + bA)^-1 b V"),
-    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), F32, False,
-               "[T_pad/C, H, C, C]", "in-chunk decayed q.k products, causal"),
+    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), U32, False,
+               "[T_pad/C, H, C, C] split words, pairs along the last axis",
+               "in-chunk decayed q.k products, causal"),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
                                              c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),

@@ -6,9 +6,10 @@
 //     gl = exp(G_last). The walk then does no transcendental math at all.
 //   kda_chunk_inter_d{D}_v{VS}: per (head, VS-column slice of V) walks the chunks in order with
 //     its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
-//     products run on tensor cores (3xTF32, fp32-accurate); the next operands stream into
-//     shared memory with cp.async while the current product runs, since the walk is one block
-//     per SM and nothing else hides its loads.
+//     products run on tensor cores in 3xBF16 from operands the intra kernel already wrote as
+//     split bf16 words (so the walk's inner loops convert nothing); the next operands stream
+//     into shared memory with cp.async while the current product runs, since the walk is one
+//     block per SM and nothing else hides its loads.
 // Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
 // padded tail can reach neither the outputs nor the state. Decays are only exponentiated as
 // differences G_t - G_s with s <= t, which are <= 0: nothing overflows.
@@ -23,10 +24,10 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
     return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// ---- tensor-core products in 3xTF32 -----------------------------------------------------------
+// ---- the intra kernel's tensor-core products in 3xTF32 ---------------------------------------
 // Each product x*y is taken as hi(x)hi(y) + hi(x)lo(y) + lo(x)hi(y) with hi = tf32(x) and
 // lo = tf32(x - hi): three m16n8k8 TF32 MMAs give products within fp32 rounding of an FFMA
-// loop (plain TF32 would drift ~1e-3 per chunk in the carried state).
+// loop (plain TF32 would cost ~1e-3 relative, ten times what the core's fp32 check allows).
 __device__ __forceinline__ unsigned tf32(float x) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -51,10 +52,10 @@ __device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const 
 
 // big + small += a * b in 3xTF32 for one 16x8x8 step; a holds the A fragment's four fp32
 // values (rows g, g+8 at column t, then at t+4), b the B fragment's two (rows t, t+4 at column
-// g). The hi x hi products and the two correction terms accumulate apart, which halves the
-// chain of dependent MMAs; the caller adds small into big at the end.
-__device__ __forceinline__ void mma3(float big[4], float small[4], const float a[4],
-                                     const float b[2]) {
+// g). The hi x hi products and the two correction terms accumulate apart (shorter chains of
+// dependent MMAs); the caller adds small into big at the end.
+__device__ __forceinline__ void mma3_tf32(float big[4], float small[4], const float a[4],
+                                          const float b[2]) {
     unsigned ah[4], al[4], bh[2], bl[2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -71,6 +72,75 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const float a
     mma_tf32(small, al, bh);
     mma_tf32(big, ah, bh);
     mma_tf32(small, ah, bl);
+}
+
+// ---- the walk's operands: fp32 values as split bf16 words, products in 3xBF16 ------------------
+// The walk's operands travel as pairs along the product's k axis: for (x0, x1) the words
+// hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders x - hi, stored adjacent.
+// hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
+// ~1e-5, fp32-like for this core), with no conversion at all in the walk's inner loops.
+__device__ __forceinline__ uint2 split_pair(float x0, float x1) {
+    const bf16 h0 = f2bf(x0), h1 = f2bf(x1);
+    const bf16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
+    return make_uint2(h0 | (unsigned)h1 << 16, l0 | (unsigned)l1 << 16);
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A and B fragments of one 16x8x16 step, as hi and lo words. Buffers hold rows of word pairs
+// (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_at` reads
+// A[m][k] from rows of k-pairs with m along the row (a transposed operand), `frag_b` reads
+// B[k][n] from rows of k-pairs with n along the row.
+struct Frag {
+    unsigned hi[4], lo[4];
+};
+
+__device__ __forceinline__ Frag frag_a(const unsigned* buf, int ld, int m0, int kp0, int g, int t) {
+    const unsigned* p = buf + (m0 + g) * ld + 2 * (kp0 + t);
+    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 8 * ld);
+    const uint2 x2 = *reinterpret_cast<const uint2*>(p + 8), x3 = *reinterpret_cast<const uint2*>(p + 8 * ld + 8);
+    return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
+}
+
+__device__ __forceinline__ Frag frag_at(const unsigned* buf, int ld, int m0, int kp0, int g, int t) {
+    const unsigned* p = buf + (kp0 + t) * ld + 2 * (m0 + g);
+    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 16);
+    const uint2 x2 = *reinterpret_cast<const uint2*>(p + 4 * ld), x3 = *reinterpret_cast<const uint2*>(p + 4 * ld + 16);
+    return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
+}
+
+__device__ __forceinline__ Frag frag_b(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
+    const unsigned* p = buf + (kp0 + t) * ld + 2 * (n0 + g);
+    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 4 * ld);
+    return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
+}
+
+// big + small += a b: the hi x hi products and the two correction terms accumulate apart
+// (shorter chains of dependent MMAs); the caller adds small into big at the end.
+__device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a, const Frag& b) {
+    mma_bf16(small, a.lo, b.hi);
+    mma_bf16(big, a.hi, b.hi);
+    mma_bf16(small, a.hi, b.lo);
+}
+
+// Store a C fragment (rows r0+g and r0+g+8, columns n0+2t and n0+2t+1) into a buffer of
+// k-pair rows along its rows: lanes g and g^1 swap one value so each holds a row pair.
+__device__ __forceinline__ void put_pairs(unsigned* buf, int ld, int r0, int n0, const float c[4],
+                                          int g, int t) {
+    const bool odd = g & 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float v0 = c[2 * half], v1 = c[2 * half + 1];
+        const float x = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+        const int row = r0 + g + 8 * half - odd, col = n0 + 2 * t + odd;
+        *reinterpret_cast<uint2*>(buf + (row >> 1) * ld + 2 * col) =
+            odd ? split_pair(x, v1) : split_pair(v0, x);
+    }
 }
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -103,10 +173,10 @@ struct Intra {
 template <int D>
 __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict__ k,
                             const float* __restrict__ v, const float* __restrict__ gate,
-                            const float* __restrict__ beta, float* __restrict__ qg_out,
-                            float* __restrict__ kd_out, float* __restrict__ gl_out,
+                            const float* __restrict__ beta, unsigned* __restrict__ qg_out,
+                            unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
-                            float* __restrict__ aqk, int T, int H, float scale) {
+                            unsigned* __restrict__ aqk, int T, int H, float scale) {
     using L = Intra;
     constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB, KT = L::KT;
     extern __shared__ __align__(16) float sm[];
@@ -162,21 +232,29 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;
             __syncthreads();
         }
-        // what the walk and the solve need elementwise: gl, qg, kd, and k exp(G) (the solve's
-        // right-hand side, parked in w_out until the solve overwrites it)
+        // what the walk and the solve need elementwise: gl, qg and kd (as split words: qg in
+        // pairs along d, kd in pairs along t, as the walk reads them), and k exp(G), the
+        // solve's right-hand side, parked in w_out until the solve overwrites it
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
         for (int i = tid; i < CH * DH / 2; i += THREADS) {
             const int r = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
             const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + c2);
-            const float2 GL = *reinterpret_cast<const float2*>(Gs + (CH - 1) * P + c2);
             const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
             const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
             const u64 o = row0 + r * rstride + d0 + c2;
             const float e0 = expf(G.x), e1 = expf(G.y);
-            *reinterpret_cast<float2*>(qg_out + o) = make_float2(qq.x * e0, qq.y * e1);
+            *reinterpret_cast<uint2*>(qg_out + o) = split_pair(qq.x * e0, qq.y * e1);
             *reinterpret_cast<float2*>(w_out + o) = make_float2(kk.x * e0, kk.y * e1);
-            *reinterpret_cast<float2*>(kd_out + o) =
-                make_float2(kk.x * expf(GL.x - G.x), kk.y * expf(GL.y - G.y));
+        }
+        // kd rows 2p and 2p+1 hold, for every d, the pair (kd[2p][d], kd[2p+1][d]): the
+        // first D/2 dimensions' words in row 2p, the rest in row 2p+1
+        for (int i = tid; i < CH / 2 * DH; i += THREADS) {
+            const int pr = i / DH, d = i % DH, dd = d0 + d, r = 2 * pr;
+            const float GL = Gs[(CH - 1) * P + d];
+            const float k0 = Ks[r * P + d] * expf(GL - Gs[r * P + d]);
+            const float k1 = Ks[(r + 1) * P + d] * expf(GL - Gs[(r + 1) * P + d]);
+            *reinterpret_cast<uint2*>(kd_out + row0 + (r + dd / (D / 2)) * rstride + 2 * (dd % (D / 2))) =
+                split_pair(k0, k1);
         }
 
         // Diagonal blocks, pair by pair: a warp owns rows w and 15 - w of every block (17
@@ -235,7 +313,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                     const float a[4] = {ar[0], ar[8 * PE], ar[4], ar[8 * PE + 4]};
                     const float* br = Es + (n0 + g) * PE + k0 + t4;
                     const float b[2] = {br[0], br[4]};
-                    mma3(c, e, a, b);
+                    mma3_tf32(c, e, a, b);
                 }
                 dst[0] += c[0] + e[0], dst[1] += c[1] + e[1];
                 dst[8 * AP] += c[2] + e[2], dst[8 * AP + 1] += c[3] + e[3];
@@ -243,15 +321,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         }
         __syncthreads();  // before the next dimensions overwrite G, k, q
     }
-    {
-        float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
-        for (int i = tid; i < CH * CH / 4; i += THREADS)
-            reinterpret_cast<float4*>(Mg)[i] =
-                *reinterpret_cast<const float4*>(Ms + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4);
+    {  // Aqk as split words in pairs along s
+        unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
+        for (int i = tid; i < CH * CH / 2; i += THREADS) {
+            const int t = i / (CH / 2), s2 = (i % (CH / 2)) * 2;
+            reinterpret_cast<uint2*>(Mg)[i] = split_pair(Ms[t * AP + s2], Ms[t * AP + s2 + 1]);
+        }
     }
 
     // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)]: one column a thread, forward
-    // substitution over the rows; four partial sums keep the dot products' chains short.
+    // substitution over the rows; four partial sums keep the dot products' chains short. u is
+    // written as fp32, w as split words in pairs along d (lanes 2i and 2i+1 meet in a shuffle).
     static_assert(2 * D <= THREADS, "one solve column a thread");
     const int col = tid;
     if (col < 2 * D) {
@@ -274,55 +354,67 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 #pragma unroll
             for (int s = r & ~3; s < r; ++s) acc[s & 3] = __fmaf_rn(A[r * AP + s], x[s], acc[s & 3]);
             x[r] = Bs[r] * (b - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
-            dst[r * rstride] = x[r];
+            if (col < D) {
+                dst[r * rstride] = x[r];
+            } else {
+                const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
+                const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
+                reinterpret_cast<unsigned*>(dst)[r * rstride] = dc & 1 ? w2.y : w2.x;
+            }
         }
     }
 }
 
-// Queue rows [c0, c0+CH), columns [col0, col0+N) of one head of a [T_pad, H, D] fp32 buffer
-// into shared rows of stride ld (16-byte pieces; the copy runs behind the arithmetic).
-template <int N>
-__device__ __forceinline__ void stage_async(float* dst, int ld, const float* __restrict__ src,
-                                            int c0, int h, int H, int D, int col0) {
+// Queue rows [c0, c0+CH), words [col0, col0+N) of one head of a [T_pad, H, D] buffer of
+// 4-byte words into shared rows of stride ld (16-byte pieces; the copy runs behind the
+// arithmetic). PAIRED puts token rows 2p and 2p+1 side by side in shared row p (kd's layout).
+template <int N, bool PAIRED = false>
+__device__ __forceinline__ void stage_async(void* dst, int ld, const void* src, int c0, int h,
+                                            int H, int D, int col0) {
     constexpr int PER_ROW = N / 4, ITER = (CH * PER_ROW + THREADS - 1) / THREADS;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const int i = threadIdx.x + it * THREADS;
         if (CH * PER_ROW % THREADS == 0 || i < CH * PER_ROW) {
             const int r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
-            cp_async16(dst + r * ld + q4, src + ((u64)(c0 + r) * H + h) * D + col0 + q4);
+            const int at = PAIRED ? (r >> 1) * ld + (r & 1) * N : r * ld;
+            cp_async16(static_cast<unsigned*>(dst) + at + q4,
+                       static_cast<const unsigned*>(src) + ((u64)(c0 + r) * H + h) * D + col0 + q4);
         }
     }
 }
 
-// Shared-memory strides: an A fragment read row-major (rows g, columns t) hits bank 4g + t
-// with a stride = 4 mod 32; read transposed (rows t, columns g), and every B fragment, hit
-// bank 8t + g with a stride = 8 mod 32. Both are conflict-free.
+// Shared memory of the walk, in 4-byte words. Every split-word operand is read as 8-byte
+// (hi, lo) pairs; a row stride = 8 mod 32 words puts a half-warp's fragment reads in distinct
+// banks, whichever way the operand is read.
 template <int D, int VS>
 struct Walk {
-    static constexpr int LDA = D + 4;   // w, qg: A operands read row-major
-    static constexpr int LDK = D + 8;   // kd: the A operand of kd^T W, read transposed
-    static constexpr int LDN = VS + 8;  // u, W, S: B operands (and u, the W init)
+    static constexpr int LDA = D + 8;       // w, qg: [C][D] rows of d-pairs
+    static constexpr int LDK = 2 * D + 8;   // kd: [C/2][2D] rows of t-pairs
+    static constexpr int LDQ = CH + 8;      // Aqk: [C][C] rows of s-pairs
+    static constexpr int LDU = VS + 8;      // u: [C][VS] fp32
+    static constexpr int LDB = 2 * VS + 8;  // S: [D/2][2VS], W: [C/2][2VS] rows of k-pairs
     static constexpr int W_OFF = 0, Q_OFF = W_OFF + CH * LDA, K_OFF = Q_OFF + CH * LDA;
-    static constexpr int U_OFF = K_OFF + CH * LDK, A_OFF = U_OFF + CH * LDN;
-    static constexpr int S_OFF = A_OFF + CH * AP, WM_OFF = S_OFF + D * LDN;
-    static constexpr int GL_OFF = WM_OFF + CH * LDN, FLOATS = GL_OFF + D;
-    // W and O are [CH, VS]: warps tile 4 row blocks x 2 column halves.
+    static constexpr int A_OFF = K_OFF + CH / 2 * LDK, U_OFF = A_OFF + CH * LDQ;
+    static constexpr int S_OFF = U_OFF + CH * LDU, WM_OFF = S_OFF + D / 2 * LDB;
+    static constexpr int GL_OFF = WM_OFF + CH / 2 * LDB, WORDS = GL_OFF + D;
+    // W and O are [C, VS]: warps tile 4 row blocks x 2 column halves.
     static constexpr int NT1 = VS / 16;
     // S is [D, VS]: D / 16 row blocks x (8 / (D / 16)) column groups.
     static constexpr int RB3 = D / 16, CG3 = 8 / RB3, NT3 = VS / 8 / CG3;
 };
 
 template <int D, int VS>
-__device__ void chunk_inter(const float* __restrict__ qg, const float* __restrict__ kd,
-                            const float* __restrict__ gl, const float* __restrict__ w_in,
-                            const float* __restrict__ u_in, const float* __restrict__ aqk,
+__device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
+                            const float* __restrict__ gl, const unsigned* __restrict__ w_in,
+                            const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
                             float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
                             int H) {
     using L = Walk<D, VS>;
-    extern __shared__ __align__(16) float sm[];
-    float *Wb = sm + L::W_OFF, *Qb = sm + L::Q_OFF, *Kb = sm + L::K_OFF, *Ub = sm + L::U_OFF;
-    float *Ab = sm + L::A_OFF, *Ss = sm + L::S_OFF, *Wm = sm + L::WM_OFF, *gls = sm + L::GL_OFF;
+    extern __shared__ __align__(16) unsigned smw[];
+    unsigned *Wb = smw + L::W_OFF, *Qb = smw + L::Q_OFF, *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
+    unsigned *Ss = smw + L::S_OFF, *Wm = smw + L::WM_OFF;
+    float *Ub = reinterpret_cast<float*>(smw + L::U_OFF), *gls = reinterpret_cast<float*>(smw + L::GL_OFF);
     const int h = blockIdx.x, v0 = blockIdx.y * VS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     // W / O tile of this warp: rows m1.., columns n1..
@@ -336,17 +428,17 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
     // commit in the order WU(c), QA(c), K(c), WU(c+1), QA(c+1), ...
     auto issue_wu = [&](int ci) {
         stage_async<D>(Wb, L::LDA, w_in, ci * CH, h, H, D, 0);
-        stage_async<VS>(Ub, L::LDN, u_in, ci * CH, h, H, D, v0);
+        stage_async<VS>(Ub, L::LDU, u_in, ci * CH, h, H, D, v0);
         if (threadIdx.x < D / 4)
             cp_async16(gls + 4 * threadIdx.x, gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
     };
     auto issue_qa = [&](int ci) {
         stage_async<D>(Qb, L::LDA, qg, ci * CH, h, H, D, 0);
-        const float* Mg = aqk + ((u64)ci * H + h) * CH * CH;
+        const unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
 #pragma unroll
         for (int it = 0; it < CH * CH / 4 / THREADS; ++it) {
             const int i = threadIdx.x + it * THREADS;
-            cp_async16(Ab + (i / (CH / 4)) * AP + (i % (CH / 4)) * 4, Mg + 4 * i);
+            cp_async16(Ab + (i / (CH / 4)) * L::LDQ + (i % (CH / 4)) * 4, Mg + 4 * i);
         }
     };
     issue_wu(0);
@@ -356,20 +448,21 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
 
     float S[L::NT3][4];  // the carried state slice, S[k][v] = state[h][v0 + v][k]
 #pragma unroll
-    for (int j = 0; j < L::NT3; ++j)
+    for (int j = 0; j < L::NT3; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
             S[j][i] = state[((u64)h * D + v0 + c) * D + r];
-            Ss[r * L::LDN + c] = S[j][i];
         }
+        put_pairs(Ss, L::LDB, m3, n3 + 8 * j, S[j], g, t4);
+    }
 
     for (int ci = 0; ci < nchunks; ++ci) {
         const int c0 = ci * CH;
         const bool more = ci + 1 < nchunks;
         cp_wait<1>();
         __syncthreads();  // WU(c) landed; S written; the last chunk's reads of kd and W done
-        stage_async<D>(Kb, L::LDK, kd, c0, h, H, D, 0);
+        stage_async<D, true>(Kb, L::LDK, kd, c0, h, H, D, 0);
         cp_commit();
         const float gl0 = gls[m3 + g], gl1 = gls[m3 + g + 8];
 
@@ -378,27 +471,22 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                acc[j][i] = Ub[(m1 + g + 8 * (i >> 1)) * L::LDN + n1 + 8 * j + 2 * t4 + (i & 1)];
-                err[j][i] = 0.0f;
-            }
-#pragma unroll 4
-        for (int k0 = 0; k0 < D; k0 += 8) {
-            const float* ar = Wb + (m1 + g) * L::LDA + k0 + t4;
-            const float a[4] = {-ar[0], -ar[8 * L::LDA], -ar[4], -ar[8 * L::LDA + 4]};
+            for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
 #pragma unroll
-            for (int j = 0; j < L::NT1; ++j) {
-                const float* br = Ss + (k0 + t4) * L::LDN + n1 + 8 * j + g;
-                const float b[2] = {br[0], br[4 * L::LDN]};
-                mma3(acc[j], err[j], a, b);
-            }
+        for (int kp = 0; kp < D / 2; kp += 8) {
+            const Frag a = frag_a(Wb, L::LDA, m1, kp, g, t4);
+#pragma unroll
+            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Ss, L::LDB, kp, n1 + 8 * j, g, t4));
         }
 #pragma unroll
-        for (int j = 0; j < L::NT1; ++j)
+        for (int j = 0; j < L::NT1; ++j) {
+            float wv[4];
 #pragma unroll
-            for (int i = 0; i < 4; i += 2)
-                *reinterpret_cast<float2*>(Wm + (m1 + g + 4 * i) * L::LDN + n1 + 8 * j + 2 * t4) =
-                    make_float2(acc[j][i] + err[j][i], acc[j][i + 1] + err[j][i + 1]);
+            for (int i = 0; i < 4; ++i)
+                wv[i] = Ub[(m1 + g + 8 * (i >> 1)) * L::LDU + n1 + 8 * j + 2 * t4 + (i & 1)] -
+                        (acc[j][i] + err[j][i]);
+            put_pairs(Wm, L::LDB, m1, n1 + 8 * j, wv, g, t4);
+        }
         __syncthreads();  // W complete; w, u, gl free
         if (more) issue_wu(ci + 1);
         cp_commit();
@@ -410,26 +498,16 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
         for (int j = 0; j < L::NT1; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
-#pragma unroll 4
-        for (int k0 = 0; k0 < D; k0 += 8) {
-            const float* ar = Qb + (m1 + g) * L::LDA + k0 + t4;
-            const float a[4] = {ar[0], ar[8 * L::LDA], ar[4], ar[8 * L::LDA + 4]};
 #pragma unroll
-            for (int j = 0; j < L::NT1; ++j) {
-                const float* br = Ss + (k0 + t4) * L::LDN + n1 + 8 * j + g;
-                const float b[2] = {br[0], br[4 * L::LDN]};
-                mma3(acc[j], err[j], a, b);
-            }
+        for (int kp = 0; kp < D / 2; kp += 8) {
+            const Frag a = frag_a(Qb, L::LDA, m1, kp, g, t4);
+#pragma unroll
+            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Ss, L::LDB, kp, n1 + 8 * j, g, t4));
         }
-        for (int k0 = 0; k0 < m1 + 16; k0 += 8) {
-            const float* ar = Ab + (m1 + g) * AP + k0 + t4;
-            const float a[4] = {ar[0], ar[8 * AP], ar[4], ar[8 * AP + 4]};
+        for (int kp = 0; kp < (m1 + 16) / 2; kp += 8) {
+            const Frag a = frag_a(Ab, L::LDQ, m1, kp, g, t4);
 #pragma unroll
-            for (int j = 0; j < L::NT1; ++j) {
-                const float* br = Wm + (k0 + t4) * L::LDN + n1 + 8 * j + g;
-                const float b[2] = {br[0], br[4 * L::LDN]};
-                mma3(acc[j], err[j], a, b);
-            }
+            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Wm, L::LDB, kp, n1 + 8 * j, g, t4));
         }
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j)
@@ -453,24 +531,16 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
             se[j][0] = se[j][1] = se[j][2] = se[j][3] = 0.0f;
         }
 #pragma unroll
-        for (int k0 = 0; k0 < CH; k0 += 8) {
-            const float* ar = Kb + (k0 + t4) * L::LDK + m3 + g;
-            const float a[4] = {ar[0], ar[8], ar[4 * L::LDK], ar[4 * L::LDK + 8]};
+        for (int kp = 0; kp < CH / 2; kp += 8) {
+            const Frag a = frag_at(Kb, L::LDK, m3, kp, g, t4);
 #pragma unroll
-            for (int j = 0; j < L::NT3; ++j) {
-                const float* br = Wm + (k0 + t4) * L::LDN + n3 + 8 * j + g;
-                const float b[2] = {br[0], br[4 * L::LDN]};
-                mma3(S[j], se[j], a, b);
-            }
+            for (int j = 0; j < L::NT3; ++j) mma3(S[j], se[j], a, frag_b(Wm, L::LDB, kp, n3 + 8 * j, g, t4));
         }
 #pragma unroll
         for (int j = 0; j < L::NT3; ++j) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) S[j][i] += se[j][i];
-#pragma unroll
-            for (int i = 0; i < 4; i += 2)
-                *reinterpret_cast<float2*>(Ss + (m3 + g + 4 * i) * L::LDN + n3 + 8 * j + 2 * t4) =
-                    make_float2(S[j][i], S[j][i + 1]);
+            put_pairs(Ss, L::LDB, m3, n3 + 8 * j, S[j], g, t4);
         }
     }
     cp_wait<0>();
@@ -486,14 +556,15 @@ __device__ void chunk_inter(const float* __restrict__ qg, const float* __restric
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
-        float* qg, float* kd, float* gl, float* w, float* u, float* aqk, int T, int T_pad,     \
-        int H, float scale) {                                                                  \
+        unsigned* qg, unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, int T,       \
+        int T_pad, int H, float scale) {                                                       \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }
 #define KDA_CHUNK_INTER(D, VS)                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_chunk_inter_d##D##_v##VS(     \
-        const float* qg, const float* kd, const float* gl, const float* w, const float* u,     \
-        const float* aqk, float* state, float* core, int T, int T_pad, int H) {                \
+        const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
+        const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
+        int H) {                                                                               \
         chunk_inter<D, VS>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                   \
     }
 KDA_CHUNK_INTRA(64)
