@@ -24,65 +24,23 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
     return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// ---- the intra kernel's tensor-core products in 3xTF32 ---------------------------------------
-// Each product x*y is taken as hi(x)hi(y) + hi(x)lo(y) + lo(x)hi(y) with hi = tf32(x) and
-// lo = tf32(x - hi): three m16n8k8 TF32 MMAs give products within fp32 rounding of an FFMA
-// loop (plain TF32 would cost ~1e-3 relative, ten times what the core's fp32 check allows).
-__device__ __forceinline__ unsigned tf32(float x) {
+// ---- tensor-core products from split bf16 words (3xBF16) ------------------------------------
+// The chunk kernels' products take their operands as pairs along the product's k axis: for
+// (x0, x1) the words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders
+// x - hi, stored adjacent.
+// hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
+// ~1e-5, fp32-like for this core); the operands are split once, where they are produced, so
+// no inner loop converts anything.
+__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {  // x0 in the low half
     unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
     return r;
 }
 
-struct Split {
-    unsigned hi, lo;
-};
-
-__device__ __forceinline__ Split split(float x) {
-    const unsigned hi = tf32(x);
-    return {hi, tf32(x - __uint_as_float(hi))};
-}
-
-__device__ __forceinline__ void mma_tf32(float c[4], const unsigned a[4], const unsigned b[2]) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// big + small += a * b in 3xTF32 for one 16x8x8 step; a holds the A fragment's four fp32
-// values (rows g, g+8 at column t, then at t+4), b the B fragment's two (rows t, t+4 at column
-// g). The hi x hi products and the two correction terms accumulate apart (shorter chains of
-// dependent MMAs); the caller adds small into big at the end.
-__device__ __forceinline__ void mma3_tf32(float big[4], float small[4], const float a[4],
-                                          const float b[2]) {
-    unsigned ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const Split s = split(a[i]);
-        ah[i] = s.hi;
-        al[i] = s.lo;
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const Split s = split(b[i]);
-        bh[i] = s.hi;
-        bl[i] = s.lo;
-    }
-    mma_tf32(small, al, bh);
-    mma_tf32(big, ah, bh);
-    mma_tf32(small, ah, bl);
-}
-
-// ---- the walk's operands: fp32 values as split bf16 words, products in 3xBF16 ------------------
-// The walk's operands travel as pairs along the product's k axis: for (x0, x1) the words
-// hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders x - hi, stored adjacent.
-// hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
-// ~1e-5, fp32-like for this core), with no conversion at all in the walk's inner loops.
 __device__ __forceinline__ uint2 split_pair(float x0, float x1) {
-    const bf16 h0 = f2bf(x0), h1 = f2bf(x1);
-    const bf16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
-    return make_uint2(h0 | (unsigned)h1 << 16, l0 | (unsigned)l1 << 16);
+    const unsigned hi = pack_bf16x2(x0, x1);
+    return make_uint2(hi, pack_bf16x2(x0 - __uint_as_float(hi << 16),
+                                      x1 - __uint_as_float(hi & 0xffff0000u)));
 }
 
 __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const unsigned b[2]) {
@@ -95,7 +53,7 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const 
 // A and B fragments of one 16x8x16 step, as hi and lo words. Buffers hold rows of word pairs
 // (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_at` reads
 // A[m][k] from rows of k-pairs with m along the row (a transposed operand), `frag_b` reads
-// B[k][n] from rows of k-pairs with n along the row.
+// B[k][n] from rows of k-pairs with n along the row, `frag_bt` from rows n with k-pairs along it.
 struct Frag {
     unsigned hi[4], lo[4];
 };
@@ -112,6 +70,12 @@ __device__ __forceinline__ Frag frag_at(const unsigned* buf, int ld, int m0, int
     const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 16);
     const uint2 x2 = *reinterpret_cast<const uint2*>(p + 4 * ld), x3 = *reinterpret_cast<const uint2*>(p + 4 * ld + 16);
     return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
+}
+
+__device__ __forceinline__ Frag frag_bt(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
+    const unsigned* p = buf + (n0 + g) * ld + 2 * (kp0 + t);  // rows n, k-pairs along the row
+    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 8);
+    return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
 }
 
 __device__ __forceinline__ Frag frag_b(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
@@ -161,10 +125,9 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 struct Intra {
     static constexpr int DH = 64;        // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
-    static constexpr int PE = DH + 4;    // scaled rows: fragment reads hit bank 4g + t
+    static constexpr int PE = DH + 8;    // scaled rows, split words: fragment reads hit bank 8g + 2t
     static constexpr int SB = 16;        // the factorisation's block of rows
-    static constexpr int KT = CH - SB;   // scaled rows: k_s (s < r) in [0, KT), then k_t, q_t
-    static constexpr int EROWS = KT + 2 * SB;
+    static constexpr int EROWS = CH + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
     static constexpr int G_OFF = 0, K_OFF = CH * P, Q_OFF = 2 * CH * P, E_OFF = 3 * CH * P;
     static constexpr int A_OFF = E_OFF + EROWS * PE, M_OFF = A_OFF + CH * AP;
     static constexpr int B_OFF = M_OFF + CH * AP, FLOATS = B_OFF + CH;
@@ -178,7 +141,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             unsigned* __restrict__ aqk, int T, int H, float scale) {
     using L = Intra;
-    constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB, KT = L::KT;
+    constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB;
     extern __shared__ __align__(16) float sm[];
     float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
@@ -242,7 +205,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
             const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
             const u64 o = row0 + r * rstride + d0 + c2;
-            const float e0 = expf(G.x), e1 = expf(G.y);
+            const float e0 = __expf(G.x), e1 = __expf(G.y);
             *reinterpret_cast<uint2*>(qg_out + o) = split_pair(qq.x * e0, qq.y * e1);
             *reinterpret_cast<float2*>(w_out + o) = make_float2(kk.x * e0, kk.y * e1);
         }
@@ -251,21 +214,60 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         for (int i = tid; i < CH / 2 * DH; i += THREADS) {
             const int pr = i / DH, d = i % DH, dd = d0 + d, r = 2 * pr;
             const float GL = Gs[(CH - 1) * P + d];
-            const float k0 = Ks[r * P + d] * expf(GL - Gs[r * P + d]);
-            const float k1 = Ks[(r + 1) * P + d] * expf(GL - Gs[(r + 1) * P + d]);
+            const float k0 = Ks[r * P + d] * __expf(GL - Gs[r * P + d]);
+            const float k1 = Ks[(r + 1) * P + d] * __expf(GL - Gs[(r + 1) * P + d]);
             *reinterpret_cast<uint2*>(kd_out + row0 + (r + dd / (D / 2)) * rstride + 2 * (dd % (D / 2))) =
                 split_pair(k0, k1);
         }
 
-        // Diagonal blocks, pair by pair: a warp owns rows w and 15 - w of every block (17
-        // pairs a block, so warps balance); lane = column s of the block + 16 x (parity of the
-        // dimensions it sums), and the two parities meet in one shuffle.
-        {
-            const int sl = lane & 15, par = lane >> 4;
-            for (int blk = 0; blk < CH / SB; ++blk) {
+        // A block row of 16 at a time: rows r.. of A and Aqk against every row up to r + 15,
+        // as [k_t; q_t] exp(G_t - G_r) times (k_s exp(G_r - G_s))^T on tensor cores. Before
+        // the diagonal block both factors are <= 1. On it exp(G_r - G_s) >= 1, safe while the
+        // block's decay span max_d (G_r - G_{r+15}) stays under SPAN (every factor within
+        // e^+-SPAN, far inside fp32), which the bounded gate always meets (15 x 5 < SPAN); a
+        // block beyond it takes exp(G_t - G_s) pair by pair instead.
+        constexpr float SPAN = 76.0f;
+        for (int r = 0; r < CH; r += SB) {
+            // also: Es is free (totals read, or the last block row's products done)
+            const bool by_pairs = __syncthreads_or(
+                tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);
+            const int ncols = by_pairs ? r : r + SB;  // columns the products cover
+            unsigned* Ew = reinterpret_cast<unsigned*>(Es);  // split words, pairs along d
+            for (int i = tid; i < (ncols + 2 * SB) * DH / 2; i += THREADS) {
+                const int row = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
+                const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
+                const bool col = row < ncols;  // k_s exp(G_r - G_s), else k_t or q_t exp(G_t - G_r)
+                const int src = col ? row : r + (row - ncols) % SB;
+                const float2 x = *reinterpret_cast<const float2*>(
+                    (col || row - ncols < SB ? Ks : Qs) + src * P + c2);
+                const float2 G = *reinterpret_cast<const float2*>(Gs + src * P + c2);
+                const float sgn = col ? -1.0f : 1.0f;
+                *reinterpret_cast<uint2*>(Ew + (col ? row : CH + row - ncols) * PE + c2) =
+                    split_pair(x.x * __expf(sgn * (G.x - Gr.x)), x.y * __expf(sgn * (G.y - Gr.y)));
+            }
+            __syncthreads();
+            // [2 SB, ncols] += [2 SB, DH] x [DH, ncols]: m-tile 0 adds to A, m-tile 1 to Aqk;
+            // on the diagonal block only s < t (A) and s <= t (Aqk) are kept
+            for (int tile = warp; tile < 2 * (ncols / 8); tile += THREADS / 32) {
+                const int mt = tile % 2, n0 = 8 * (tile / 2);
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int kp = 0; kp < DH / 2; kp += 8)
+                    mma3(c, e, frag_a(Ew, PE, CH + SB * mt, kp, g, t4), frag_bt(Ew, PE, kp, n0, g, t4));
+                float* dst = mt ? Ms : A;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = r + g + 8 * (i >> 1), sc = n0 + 2 * t4 + (i & 1);
+                    if (sc < t || (mt && sc == t)) dst[t * AP + sc] += c[i] + e[i];
+                }
+            }
+            if (by_pairs) {
+                // a warp owns rows w and 15 - w of the block (17 pairs, so warps balance);
+                // lane = column s + 16 x (parity of the dimensions it sums)
+                const int sl = lane & 15, par = lane >> 4;
 #pragma unroll
                 for (int side = 0; side < 2; ++side) {
-                    const int tl = side ? SB - 1 - warp : warp, t = blk * SB + tl, s = blk * SB + sl;
+                    const int tl = side ? SB - 1 - warp : warp, t = r + tl, s = r + sl;
                     float a = 0.0f, m = 0.0f;
                     if (sl <= tl) {
 #pragma unroll 8
@@ -282,41 +284,6 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                         Ms[t * AP + s] += m;
                     }
                 }
-            }
-        }
-
-        // Blocks below the diagonal, a block row at a time: rows r.. of A and Aqk against
-        // every earlier row, as [k_t; q_t] exp(G_t - G_r) times (k_s exp(G_r - G_s))^T.
-        for (int r = SB; r < CH; r += SB) {
-            __syncthreads();  // Es free (totals read, or the last block row's products done)
-            for (int i = tid; i < (r + 2 * SB) * DH / 2; i += THREADS) {
-                const int row = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
-                const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
-                const bool early = row < r;  // k_s exp(G_r - G_s), else k_t or q_t exp(G_t - G_r)
-                const int src = early ? row : r + (row - r) % SB;
-                const float2 x = *reinterpret_cast<const float2*>(
-                    (early || row - r < SB ? Ks : Qs) + src * P + c2);
-                const float2 G = *reinterpret_cast<const float2*>(Gs + src * P + c2);
-                const float sgn = early ? -1.0f : 1.0f;
-                *reinterpret_cast<float2*>(Es + (early ? row : KT + row - r) * PE + c2) =
-                    make_float2(x.x * expf(sgn * (G.x - Gr.x)), x.y * expf(sgn * (G.y - Gr.y)));
-            }
-            __syncthreads();
-            // [2 SB, r] += [2 SB, DH] x [DH, r]: m-tile 0 adds to A, m-tile 1 to Aqk
-            for (int tile = warp; tile < 2 * (r / 8); tile += THREADS / 32) {
-                const int mt = tile % 2, n0 = 8 * (tile / 2);
-                float* dst = (mt ? Ms : A) + (r + g) * AP + n0 + 2 * t4;
-                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int k0 = 0; k0 < DH; k0 += 8) {
-                    const float* ar = Es + (KT + SB * mt + g) * PE + k0 + t4;
-                    const float a[4] = {ar[0], ar[8 * PE], ar[4], ar[8 * PE + 4]};
-                    const float* br = Es + (n0 + g) * PE + k0 + t4;
-                    const float b[2] = {br[0], br[4]};
-                    mma3_tf32(c, e, a, b);
-                }
-                dst[0] += c[0] + e[0], dst[1] += c[1] + e[1];
-                dst[8 * AP] += c[2] + e[2], dst[8 * AP + 1] += c[3] + e[3];
             }
         }
         __syncthreads();  // before the next dimensions overwrite G, k, q
