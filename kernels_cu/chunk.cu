@@ -297,18 +297,31 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     }
 
     // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)]: one column a thread, forward
-    // substitution over the rows; four partial sums keep the dot products' chains short. u is
-    // written as fp32, w as split words in pairs along d (lanes 2i and 2i+1 meet in a shuffle).
+    // substitution over the rows; four partial sums keep the dot products' chains short. The
+    // right-hand sides are staged in shared memory first (G, k, q and the scaled rows are
+    // done with): read from global memory inside the row loop, each load would wait for the
+    // previous row's store, which the compiler cannot prove distinct. u is written as fp32,
+    // w as split words in pairs along d (lanes 2i and 2i+1 meet in a shuffle).
     static_assert(2 * D <= THREADS, "one solve column a thread");
+    static_assert(CH * (2 * D + 4) <= L::A_OFF, "right-hand sides fit below A");
+    constexpr int LR = 2 * D + 4;
+    float* Rs = sm;  // [CH][2D + 4]: v | k exp(G)
+    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free
+    for (int i = tid; i < CH * 2 * D / 4; i += THREADS) {
+        const int r = i / (2 * D / 4), c4 = (i % (2 * D / 4)) * 4;
+        const u64 o = row0 + r * rstride + (c4 % D);
+        const float4 x = c4 < D ? pick4(c0 + r < T, __ldg(reinterpret_cast<const float4*>(v + o)))
+                                : *reinterpret_cast<const float4*>(w_out + o);
+        *reinterpret_cast<float4*>(Rs + r * LR + c4) = x;
+    }
+    __syncthreads();
     const int col = tid;
     if (col < 2 * D) {
         const int dc = col < D ? col : col - D;
-        const float* src = (col < D ? v : w_out) + row0 + dc;
         float* dst = (col < D ? u_out : w_out) + row0 + dc;
         float x[CH];
 #pragma unroll
         for (int r = 0; r < CH; ++r) {
-            const float b = col < D ? pick(c0 + r < T, src[r * rstride]) : src[r * rstride];
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int s = 0; s < (r & ~3); s += 4) {
@@ -320,7 +333,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
 #pragma unroll
             for (int s = r & ~3; s < r; ++s) acc[s & 3] = __fmaf_rn(A[r * AP + s], x[s], acc[s & 3]);
-            x[r] = Bs[r] * (b - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
+            x[r] = Bs[r] * (Rs[r * LR + col] - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
             if (col < D) {
                 dst[r * rstride] = x[r];
             } else {
