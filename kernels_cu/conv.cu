@@ -5,16 +5,13 @@
 
 #define MAX_W 8  // the config allows conv widths up to 8
 
-// One thread per 8 channels (16 bytes) of a q/k/v head vector over TT consecutive tokens, so
-// each tap's weights and each input row are loaded once per TT tokens rather than per token.
-// A head vector's D/8 threads are adjacent lanes, so the L2 norm reduces with shuffles inside
-// the group. It writes every buffer the stages expose in one pass: qkv_proj and qkv_parts (the
-// inputs, read straight from the packed projection proj [T, ldp]), conv_out (conv + SiLU
-// rounded to bf16, then for q/k the L2 norm of those bf16 values rounded again) and its fp32
-// widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill so the chunk kernels' guard past
-// T is exercised.
-#define TT 4
-
+// One thread per 8 channels (16 bytes) of a (token, q/k/v head vector), reading q|k|v straight
+// from the packed projection proj [T, ldp]; a head vector's D/8 threads are adjacent lanes, so
+// the L2 norm reduces with shuffles inside the group. It writes every buffer the stages expose
+// in one pass: qkv_proj and qkv_parts (the inputs), conv_out (conv + SiLU rounded to bf16,
+// then for q/k the L2 norm of those bf16 values rounded again) and its fp32 widening
+// q/k/v_f32, whose rows in [T, T_pad) get pad_fill so the chunk kernels' guard past T is
+// exercised.
 extern "C" __global__ void __launch_bounds__(256)
 prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,
                  const float* __restrict__ w, bf16* __restrict__ qkv_proj,
@@ -26,73 +23,55 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
     const long long item = gid / group;
     const int part = (int)(gid % group);
     const int nvec = 3 * H, qkv = H * D, conv_dim = 3 * qkv;
-    if (item >= (long long)(T_pad / TT) * nvec) return;  // whole groups leave together
-    const int t0 = (int)(item / nvec) * TT, vec = (int)(item % nvec), p = vec / H;
-    const int c = vec * D + 8 * part;
-    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (u64)t0 * qkv + (vec % H) * D + 8 * part;
-    // input rows t0 - (W-1) .. t0 + TT - 1, the carried state standing in before row 0
-    uint4 xr[TT + MAX_W - 1];
-#pragma unroll
-    for (int i = 0; i < TT + MAX_W - 1; ++i) {
-        const int r = t0 + i - (W - 1);
-        xr[i] = i >= TT + W - 1 || r >= T ? make_uint4(0u, 0u, 0u, 0u)
-                : r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
-                        : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
+    if (item >= (long long)T_pad * nvec) return;  // whole groups leave together
+    const int t = (int)(item / nvec), vec = (int)(item % nvec), p = vec / H;
+    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (u64)t * qkv + (vec % H) * D + 8 * part;
+    if (t >= T) {
+        const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
+        reinterpret_cast<float4*>(dst)[0] = f;
+        reinterpret_cast<float4*>(dst)[1] = f;
+        return;
     }
-    float acc[TT][8];
+    const int c = vec * D + 8 * part;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 xin;
 #pragma unroll
-    for (int i = 0; i < TT; ++i)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MAX_W; ++j) {  // taps in order, as decode sums them
-        if (j >= W) continue;
+    for (int j = 0; j < MAX_W; ++j) {  // unrolled so every tap's load is in flight at once
+        if (j >= W) break;
+        const int r = t + j - (W - 1);
+        xin = r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
+                    : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
+        float x[8];
+        unpack8(xin, x);
         const float4 w0 = *reinterpret_cast<const float4*>(w + (u64)j * conv_dim + c);
         const float4 w1 = *reinterpret_cast<const float4*>(w + (u64)j * conv_dim + c + 4);
         const float wj[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-        for (int i = 0; i < TT; ++i) {
-            float x[8];
-            unpack8(xr[i + j], x);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[i][e] = __fmaf_rn(wj[e], x[e], acc[i][e]);
-        }
+        for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
     }
+    // xin is now the current row (the last tap)
+    *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
+    *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
+    float y[8], ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < TT; ++i) {
-        const int t = t0 + i;
-        float* dt = dst + (u64)i * qkv;
-        if (t >= T) {  // the whole group agrees: t depends on the item only
-            const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
-            reinterpret_cast<float4*>(dt)[0] = f;
-            reinterpret_cast<float4*>(dt)[1] = f;
-            continue;
-        }
-        // the current row again (a cache hit): indexing xr by W would move it to local memory
-        const uint4 xin = *reinterpret_cast<const uint4*>(proj + (u64)t * ldp + c);
-        *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
-        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
-        float y[8], ss = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            y[e] = bf2f(f2bf(acc[i][e] * sigmoidf_(acc[i][e])));
-            ss = __fmaf_rn(y[e], y[e], ss);
-        }
-        for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float inv = p < 2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
-        bf16 o[8];
-        float f[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            o[e] = p < 2 ? f2bf(y[e] * inv) : f2bf(y[e]);
-            f[e] = bf2f(o[e]);
-        }
-        *reinterpret_cast<uint4*>(conv_out + (u64)t * conv_dim + c) =
-            make_uint4(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16,
-                       o[4] | (unsigned)o[5] << 16, o[6] | (unsigned)o[7] << 16);
-        reinterpret_cast<float4*>(dt)[0] = make_float4(f[0], f[1], f[2], f[3]);
-        reinterpret_cast<float4*>(dt)[1] = make_float4(f[4], f[5], f[6], f[7]);
+    for (int e = 0; e < 8; ++e) {
+        y[e] = bf2f(f2bf(acc[e] * sigmoidf_(acc[e])));
+        ss = __fmaf_rn(y[e], y[e], ss);
     }
+    for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = p < 2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
+    bf16 o[8];
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        o[e] = p < 2 ? f2bf(y[e] * inv) : f2bf(y[e]);
+        f[e] = bf2f(o[e]);
+    }
+    *reinterpret_cast<uint4*>(conv_out + (u64)t * conv_dim + c) =
+        make_uint4(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16,
+                   o[4] | (unsigned)o[5] << 16, o[6] | (unsigned)o[7] << 16);
+    reinterpret_cast<float4*>(dst)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
 // After prefill_conv_qkv: the state becomes the last W-1 rows of (state ++ x). New row j
