@@ -103,6 +103,10 @@ class GpuBackend(abc.ABC):
     def record_event(self, event: Any, stream: int) -> None: ...
 
     @abc.abstractmethod
+    def stream_wait_event(self, stream: int, event: Any) -> None:
+        """Work enqueued on `stream` from now on waits for the work `event` recorded."""
+
+    @abc.abstractmethod
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two recorded events (synchronises on `end`)."""
 

@@ -97,6 +97,9 @@ class CupyBackend(GpuBackend):
     def record_event(self, event: Any, stream: int) -> None:
         event.record(self.stream_obj(stream))
 
+    def stream_wait_event(self, stream: int, event: Any) -> None:
+        self.stream_obj(stream).wait_event(event)
+
     def elapsed_ms(self, start: Any, end: Any) -> float:
         end.synchronize()
         return cp.cuda.get_elapsed_time(start, end)

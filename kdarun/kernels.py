@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
+WALK_THREADS = 512  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
@@ -55,6 +56,22 @@ class Glm5NextKdaKernels:
         self.gpu = gpu
         self.cfg = cfg
         self.modules = {fam: gpu.load_module(fam) for fam in FAMILIES}
+        self._side = gpu.create_stream()
+        self._fork_event, self._join_event = gpu.create_event(), gpu.create_event()
+
+    def fork(self, stream: int) -> int:
+        """A second stream that starts after everything enqueued on `stream` so far, for
+        work that does not depend on what `stream` runs next; `join(stream)` merges it back.
+        Prefill runs its gate branch there, beside the conv (both are memory-bound and
+        neither fills the GPU's bandwidth alone)."""
+        self.gpu.record_event(self._fork_event, stream)
+        self.gpu.stream_wait_event(self._side, self._fork_event)
+        return self._side
+
+    def join(self, stream: int) -> None:
+        """Work enqueued on `stream` from now on waits for the forked stream's work."""
+        self.gpu.record_event(self._join_event, self._side)
+        self.gpu.stream_wait_event(stream, self._join_event)
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:
@@ -192,7 +209,7 @@ class Glm5NextKdaKernels:
         H, ptr = c.num_heads, ws.ptr
         vs = self.walk_slice()
         self._launch("chunk", f"kda_chunk_inter_d{D}_v{vs}",
-                     LaunchConfig((H, D // vs, 1), (THREADS, 1, 1), walk_smem_bytes(D, vs)),
+                     LaunchConfig((H, D // vs, 1), (WALK_THREADS, 1, 1), walk_smem_bytes(D, vs)),
                      (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
                       ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
                       i32(H)), stream)

@@ -201,12 +201,13 @@ class Glm5NextKdaLayer:
         t_pad = c.t_pad(t)
         kn.gemm_bf16(stream, hidden, c.hidden_size, w.w_in, ws.ptr("proj"), c.proj_width, t,
                      c.proj_rows, c.hidden_size)
-        self._prefill_gates(gpu, t, t_pad, ws, stream)
+        self._prefill_gates(gpu, t, t_pad, ws, kn.fork(stream))  # beside the conv
         kn.prefill_conv_qkv(stream, ws.ptr("proj"), state.conv, w.conv_w, ws.qkv_proj,
                             ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, pad_fill)
         for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
             self._ws_stage(gpu, stream, ws, name, "prefill_conv_qkv", t)
         self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
+        kn.join(stream)
         kn.kda_chunk(stream, ws, state.recurrent, t)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
         self._state_stage(gpu, stream, state, "kda_chunk_inter", which=("recurrent",))

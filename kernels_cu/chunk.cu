@@ -16,7 +16,8 @@
 #include "common.cuh"
 
 #define CH 64
-#define THREADS 256  // every chunk kernel runs 256 threads (kernels.py launches them so)
+#define THREADS 256        // kda_chunk_intra's threads (kernels.py launches them so)
+#define WALK_THREADS 512   // kda_chunk_inter's: 16 warps split each product into short chains
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
@@ -351,11 +352,11 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 template <int N, bool PAIRED = false>
 __device__ __forceinline__ void stage_async(void* dst, int ld, const void* src, int c0, int h,
                                             int H, int D, int col0) {
-    constexpr int PER_ROW = N / 4, ITER = (CH * PER_ROW + THREADS - 1) / THREADS;
+    constexpr int PER_ROW = N / 4, ITER = (CH * PER_ROW + WALK_THREADS - 1) / WALK_THREADS;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
-        const int i = threadIdx.x + it * THREADS;
-        if (CH * PER_ROW % THREADS == 0 || i < CH * PER_ROW) {
+        const int i = threadIdx.x + it * WALK_THREADS;
+        if (CH * PER_ROW % WALK_THREADS == 0 || i < CH * PER_ROW) {
             const int r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
             const int at = PAIRED ? (r >> 1) * ld + (r & 1) * N : r * ld;
             cp_async16(static_cast<unsigned*>(dst) + at + q4,
@@ -378,10 +379,12 @@ struct Walk {
     static constexpr int A_OFF = K_OFF + CH / 2 * LDK, U_OFF = A_OFF + CH * LDQ;
     static constexpr int S_OFF = U_OFF + CH * LDU, WM_OFF = S_OFF + D / 2 * LDB;
     static constexpr int GL_OFF = WM_OFF + CH / 2 * LDB, WORDS = GL_OFF + D;
-    // W and O are [C, VS]: warps tile 4 row blocks x 2 column halves.
-    static constexpr int NT1 = VS / 16;
-    // S is [D, VS]: D / 16 row blocks x (8 / (D / 16)) column groups.
-    static constexpr int RB3 = D / 16, CG3 = 8 / RB3, NT3 = VS / 8 / CG3;
+    static constexpr int WARPS = WALK_THREADS / 32;
+    // W and O are [C, VS]: warps tile 4 row blocks x WARPS / 4 column groups.
+    static constexpr int CG1 = WARPS / 4, NT1 = VS / 8 / CG1;
+    // S is [D, VS]: D / 16 row blocks x WARPS / (D / 16) column groups.
+    static constexpr int RB3 = D / 16, CG3 = WARPS / RB3, NT3 = VS / 8 / CG3;
+    static_assert(NT1 >= 1 && NT3 >= 1, "every warp owns at least one 16x8 tile");
 };
 
 template <int D, int VS>
@@ -398,7 +401,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
     const int h = blockIdx.x, v0 = blockIdx.y * VS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     // W / O tile of this warp: rows m1.., columns n1..
-    const int m1 = 16 * (warp % 4), n1 = (VS / 2) * (warp / 4);
+    const int m1 = 16 * (warp % 4), n1 = (VS / L::CG1) * (warp / 4);
     // S tile of this warp: rows m3.. (state's k index), columns n3.. (v index)
     const int m3 = 16 * (warp % L::RB3), n3 = (VS / L::CG3) * (warp / L::RB3);
     const int nchunks = T_pad / CH;
@@ -416,8 +419,8 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         stage_async<D>(Qb, L::LDA, qg, ci * CH, h, H, D, 0);
         const unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
 #pragma unroll
-        for (int it = 0; it < CH * CH / 4 / THREADS; ++it) {
-            const int i = threadIdx.x + it * THREADS;
+        for (int it = 0; it < CH * CH / 4 / WALK_THREADS; ++it) {
+            const int i = threadIdx.x + it * WALK_THREADS;
             cp_async16(Ab + (i / (CH / 4)) * L::LDQ + (i % (CH / 4)) * 4, Mg + 4 * i);
         }
     };
@@ -541,7 +544,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }
 #define KDA_CHUNK_INTER(D, VS)                                                                 \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_chunk_inter_d##D##_v##VS(     \
+    extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1) kda_chunk_inter_d##D##_v##VS(     \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
         int H) {                                                                               \
