@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 GEMV_WARPS = 8  # output rows per GEMV block: one warp each
 THREADS = 256
-WALK_THREADS = 512  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
+WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32

@@ -17,7 +17,7 @@
 
 #define CH 64
 #define THREADS 256        // kda_chunk_intra's threads (kernels.py launches them so)
-#define WALK_THREADS 512   // kda_chunk_inter's: 16 warps split each product into short chains
+#define WALK_THREADS 256   // kda_chunk_inter's (16 warps measured slower at H = 32)
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }

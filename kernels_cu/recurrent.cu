@@ -11,6 +11,24 @@
 #define ROWS_PER_WARP 8
 #define MAX_W 8  // the config allows conv widths up to 8
 
+// A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of
+// the load instructions, which otherwise queue up behind each other (the state is the kernel's
+// only large traffic).
+__device__ __forceinline__ void ldv(float (&v)[4], const float* p) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+__device__ __forceinline__ void ldv(float (&v)[2], const float* p) {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    v[0] = x.x, v[1] = x.y;
+}
+__device__ __forceinline__ void stv(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void stv(float* p, const float (&v)[2]) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+}
+
 template <int D>
 __device__ __forceinline__ void decode_rows(
     const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
@@ -20,7 +38,7 @@ __device__ __forceinline__ void decode_rows(
     float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int nrows, int nsnap, int H,
     int W, float scale, float eps) {
     constexpr int E = D / 32, NW = D / ROWS_PER_WARP;  // blockDim.x == 32 * NW == 4 * D
-    __shared__ float qs[D], ks[D], vs[D], gx[D], cs[D], part[NW];
+    __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], cs[D], part[NW];
     const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
@@ -31,9 +49,7 @@ __device__ __forceinline__ void decode_rows(
     float* S = state + (u64)h * D * D;
     float s[ROWS_PER_WARP][E];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
-#pragma unroll
-        for (int e = 0; e < E; ++e) s[r][e] = S[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e];
+    for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E);
     bf16 tap[MAX_W];
     float wt[MAX_W];
     if (p < 3) {
@@ -81,23 +97,27 @@ __device__ __forceinline__ void decode_rows(
         }
         __syncthreads();
         const float b = beta[(u64)row * H + h];
+        float gv[E], kv[E], qv[E];  // this lane's dimensions, the same for all its rows
+        ldv(gv, gx + lane * E);
+        ldv(kv, ks + lane * E);
+        ldv(qv, qs + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qv[e] *= scale;
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
             const int j = warp * ROWS_PER_WARP + r;
             float kS = 0.0f;
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const int dd = lane * E + e;
-                s[r][e] *= gx[dd];
-                kS = __fmaf_rn(s[r][e], ks[dd], kS);
+                s[r][e] *= gv[e];
+                kS = __fmaf_rn(s[r][e], kv[e], kS);
             }
             const float bres = b * (vs[j] - warp_sum(kS));
             float o = 0.0f;
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const int dd = lane * E + e;
-                s[r][e] = __fmaf_rn(bres, ks[dd], s[r][e]);
-                o = __fmaf_rn(s[r][e], qs[dd] * scale, o);
+                s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
+                o = __fmaf_rn(s[r][e], qv[e], o);
             }
             o = warp_sum(o);
             if (lane == 0) {
@@ -109,9 +129,7 @@ __device__ __forceinline__ void decode_rows(
             float* dst = snap_rec + ((u64)row * H + h) * D * D;
 #pragma unroll
             for (int r = 0; r < ROWS_PER_WARP; ++r)
-#pragma unroll
-                for (int e = 0; e < E; ++e)
-                    dst[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e] = s[r][e];
+                stv(dst + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E, s[r]);
             if (p < 3)
 #pragma unroll
                 for (int j = 0; j < MAX_W - 1; ++j)
@@ -135,9 +153,7 @@ __device__ __forceinline__ void decode_rows(
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r)
-#pragma unroll
-        for (int e = 0; e < E; ++e) S[(u64)(warp * ROWS_PER_WARP + r) * D + lane * E + e] = s[r][e];
+    for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E, s[r]);
     if (p < 3)
 #pragma unroll
         for (int j = 0; j < MAX_W - 1; ++j)
