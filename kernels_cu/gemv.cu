@@ -7,7 +7,7 @@
 
 #define MAX_ROWS 8
 #define WARPS 8
-#define U 8  // a row of 2304 bf16 takes two rounds of loads per lane, not three
+#define U 4
 
 // acc[m] = W[n, :K] . x[m, :K] for m < M, reduced across the warp (every lane gets it).
 __device__ __forceinline__ void gemv_row_dot(const bf16* __restrict__ Wrow,
