@@ -1,0 +1,69 @@
+"""The launch wrappers in kernels.py mirror constants and shared-memory layouts that live in
+the CUDA sources; a host program compiled from those sources prints them, and they must agree.
+Skipped where nvcc is missing (CI has it: it compiles every kernel file)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from kdarun import kernels
+from kdarun.backend import kernels_dir
+from kdarun.config import CHUNK, MAX_DECODE_ROWS
+
+PRINT_CHUNK_LAYOUTS = r"""
+#include "chunk.cu"
+#include <cstdio>
+int main() {
+    printf("CH %d\nTHREADS %d\nWALK_THREADS %d\nAP %d\nintra %d\n", CH, THREADS, WALK_THREADS,
+           AP, Intra::FLOATS * 4);
+    printf("walk_64_32 %d\nwalk_64_64 %d\nwalk_128_32 %d\nwalk_128_64 %d\n",
+           Walk<64, 32>::WORDS * 4, Walk<64, 64>::WORDS * 4, Walk<128, 32>::WORDS * 4,
+           Walk<128, 64>::WORDS * 4);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def chunk_layouts(tmp_path_factory) -> dict[str, int]:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    d = tmp_path_factory.mktemp("layouts")
+    (d / "print.cu").write_text(PRINT_CHUNK_LAYOUTS)
+    # PTX only for the device side (no ptxas): the host program is all that runs
+    subprocess.run([nvcc, "-arch=compute_90", "-I", str(kernels_dir()), "-o", str(d / "print"),
+                    str(d / "print.cu")], check=True, capture_output=True)
+    out = subprocess.run([str(d / "print")], check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+def test_chunk_constants_match(chunk_layouts):
+    assert chunk_layouts["CH"] == CHUNK
+    assert chunk_layouts["THREADS"] == kernels.THREADS
+    assert chunk_layouts["WALK_THREADS"] == kernels.WALK_THREADS
+    assert chunk_layouts["AP"] == kernels.CHUNK_AP
+
+
+def test_chunk_shared_memory_matches(chunk_layouts):
+    assert chunk_layouts["intra"] == kernels.intra_smem_bytes()
+    for d in (64, 128):
+        for vs in kernels.WALK_SLICES:
+            assert chunk_layouts[f"walk_{d}_{vs}"] == kernels.walk_smem_bytes(d, vs), (d, vs)
+
+
+def test_walk_variants_are_the_compiled_ones():
+    src = (kernels_dir() / "chunk.cu").read_text()
+    built = {(int(d), int(vs)) for d, vs in re.findall(r"^KDA_CHUNK_INTER\((\d+), (\d+)\)", src,
+                                                       re.M)}
+    assert built == {(d, vs) for d in (64, 128) for vs in kernels.WALK_SLICES}
+
+
+def test_gemv_constants_match():
+    src = (kernels_dir() / "gemv.cu").read_text()
+    define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
+    assert define("WARPS") == kernels.GEMV_WARPS
+    assert define("MAX_ROWS") == MAX_DECODE_ROWS
