@@ -347,13 +347,19 @@ def fla_prefill_ms(preset: str, tokens: list[int], gate: str = "bounded") -> lis
 
 
 def results_table(rows: list[dict]) -> str:
+    """One line a result; per-launch breakdowns (dict values) follow the table, a line each."""
     if not rows:
         return ""
-    keys = list(rows[0])
+    keys = [k for k in rows[0] if not isinstance(rows[0][k], dict)]
     cells = [[_fmt(r.get(k)) for k in keys] for r in rows]
     w = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     lines = ["  ".join(k.ljust(w[i]) for i, k in enumerate(keys))]
     lines += ["  ".join(c[i].ljust(w[i]) for i in range(len(keys))) for c in cells]
+    for i, r in enumerate(rows, 1):
+        for name, parts in r.items():
+            if isinstance(parts, dict):
+                lines.append(f"row {i} {name}: " + ", ".join(f"{k} {_fmt(v)}"
+                                                           for k, v in parts.items()))
     return "\n".join(lines)
 
 

@@ -14,5 +14,8 @@ def test_bench_paths_on_host(host):
     assert set(r.kernels_us) == {"proj_gemv", "lowrank_gate_gemv", "decode_rows", "o_proj_gemv"}
     (p,) = bench.bench_prefill(host, "tiny", [65], stream)
     assert p.tokens == 65 and p.ms > 0 and p.core_ms > 0 and p.gemm_ms > 0
+    assert set(p.kernels_ms) == {"gate_beta", "conv", "chunk_intra", "chunk_inter", "rmsnorm"}
+    assert all(v > 0 for v in p.kernels_ms.values())
     table = bench.results_table([vars(r)])
     assert "decode-k" in table and "tiny" in table
+    assert "row 1 kernels_us: proj_gemv" in table
