@@ -11,8 +11,9 @@
 //     into shared memory with cp.async while the current product runs, since the walk is one
 //     block per SM and nothing else hides its loads.
 // Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
-// padded tail can reach neither the outputs nor the state. Decays are only exponentiated as
-// differences G_t - G_s with s <= t, which are <= 0: nothing overflows.
+// padded tail can reach neither the outputs nor the state. Decays are exponentiated as
+// differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
+// blocks, as differences bounded by a checked span: nothing overflows.
 #include "common.cuh"
 
 #define CH 64
@@ -117,12 +118,11 @@ template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // ---- intra: every (chunk, head) in parallel -----------------------------------------------------
-// A[t][s] and Aqk[t][s] need exp(G_t - G_s) per dimension. Across 16-row blocks (s in a block
-// before t's block, which starts at row r) it factors as exp(G_t - G_r) exp(G_r - G_s), both
-// <= 1, so those blocks are products of scaled rows on tensor cores; within a 16-row block the
-// factors could overflow (decay is unbounded), so the diagonal blocks take exp(G_t - G_s)
-// pair by pair. Dimensions are staged 64 at a time, which keeps a block at ~105 KB of shared
-// memory so two blocks share an SM and one's loads overlap the other's arithmetic.
+// A[t][s] and Aqk[t][s] need exp(G_t - G_s) per dimension. With r the first row of t's 16-row
+// block it factors as exp(G_t - G_r) exp(G_r - G_s), so a block row of A and Aqk is a product
+// of scaled rows on tensor cores (see the loop over r for when the diagonal block may use it).
+// Dimensions are staged 64 at a time, which keeps a block at ~111 KB of shared memory so two
+// blocks share an SM and one's loads overlap the other's arithmetic.
 struct Intra {
     static constexpr int DH = 64;        // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
