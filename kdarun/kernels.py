@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     from .workspace import Glm5NextKdaWorkspace
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
-GEMV_WARPS = 8  # output rows per GEMV block: one warp each
-THREADS = 256
+# Mirrors of constants and layouts the CUDA sources fix; tests/test_kernel_layouts.py builds a
+# host program from those sources and checks every one of them against these.
+GEMV_WARPS = 8  # output rows per GEMV block: one warp each (WARPS in gemv.cu)
+THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
@@ -203,7 +205,8 @@ class Glm5NextKdaKernels:
 
     def kda_chunk_inter(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr,
                         t: int) -> None:
-        """The sequential walk over the chunks from the intra factors, carrying state."""
+        """The sequential walk over the chunks from the intra factors, carrying state
+        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t."""
         c = self.cfg
         D, t_pad = c.head_dim, c.t_pad(t)
         H, ptr = c.num_heads, ws.ptr
