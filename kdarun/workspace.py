@@ -19,7 +19,8 @@ from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-U32 = np.dtype(np.uint32)  # split words: see host_kernels.split_words
+U32 = np.dtype(np.uint32)
+I32 = np.dtype(np.int32)  # split words: see host_kernels.split_words
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
 
@@ -32,6 +33,7 @@ class BufferSpec:
     public: bool
     layout: str  # the axes, row-major
     doc: str
+    poison: bool = True  # False: kernels rely on its contents (kept zero between calls)
 
 
 def _rows(n: Callable[[Glm5NextKdaConfig], int]) -> Shape:
@@ -82,6 +84,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis",
                "in-chunk decayed q.k products, causal"),
+    BufferSpec("decode_sync", lambda c, t, tp: (MAX_DECODE_ROWS, c.num_heads), I32, False,
+               "[K, H] int32", "decode: blocks of a head that finished each row; zero between "
+               "calls (the last block resets it)", poison=False),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
                                              c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),
@@ -123,6 +128,8 @@ class Glm5NextKdaWorkspace:
         self._ptrs: dict[str, DevicePtr] = {}
         for spec in BUFFERS:
             ptr = gpu.alloc(self.nbytes(spec.name, max_tokens))
+            if not spec.poison:
+                gpu.memset(ptr, 0, self.nbytes(spec.name, max_tokens), 0)
             self._ptrs[spec.name] = ptr
             setattr(self, spec.name, ptr)
 
@@ -152,8 +159,10 @@ class Glm5NextKdaWorkspace:
 
     def poison(self, stream: int) -> None:
         """Fill every buffer with 0xFF bytes (NaN in bf16 and fp32) so unwritten
-        elements show."""
+        elements show; the few whose contents kernels rely on are left alone."""
         for spec in BUFFERS:
+            if not spec.poison:
+                continue
             self._gpu.memset(self._ptrs[spec.name], 0xFF, self.nbytes(spec.name, self._max_tokens),
                              stream)
 

@@ -1,15 +1,16 @@
-// Decode tokens of one sequence, one head a block, fused: conv (+SiLU, +L2 of q and k), the
-// delta-rule step and the gated RMSNorm, for nrows tokens in order (1 for decode, K for
-// decode_k's verify). The L2 and RMS reductions stay in the block, and K tokens cost one
-// launch and one read and write of the state instead of K. Each token runs the same code, so
-// K rows are bit-identical to K single-row calls. The state [H, Dv, Dk] fp32 is the only large
-// traffic: each warp owns 8 rows, loads them before anything else (memory-level parallelism)
-// and writes them back once. q, k, v enter the step as the bf16 values written to conv_out,
-// so decode and the stage dumps see the same operands.
+// Decode tokens of one sequence, fused: conv (+SiLU, +L2 of q and k), the delta-rule step and
+// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). SPLIT
+// blocks share a head, each owning D/SPLIT rows of its state [Dv, Dk] fp32 (the only large
+// traffic), so the state streams through H x SPLIT blocks instead of H; every block computes
+// the head's q, k and decay itself (they are small). K tokens cost one launch and one read and
+// write of the state instead of K; each token runs the same code, so K rows are bit-identical
+// to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
+// decode and the stage dumps see the same operands.
 #include "common.cuh"
 
 #define ROWS_PER_WARP 8
 #define MAX_W 8  // the config allows conv widths up to 8
+#define SPLIT 4  // blocks a head: each owns D/SPLIT state rows, so H x 4 blocks fill the GPU
 
 // A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of
 // the load instructions, which otherwise queue up behind each other (the state is the kernel's
@@ -35,24 +36,30 @@ __device__ __forceinline__ void decode_rows(
     bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int nrows, int nsnap, int H,
-    int W, float scale, float eps) {
-    constexpr int E = D / 32, NW = D / ROWS_PER_WARP;  // blockDim.x == 32 * NW == 4 * D
-    __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], cs[D], part[NW];
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
+    int nrows, int nsnap, int H, int W, float scale, float eps) {
+    constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
+    constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
+    __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
+    __shared__ int last;
+    const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
     const int c = p * qkv + h * D + d;   // this thread's conv channel (p < 3)
+    const bool mine_v = p == 2 && d / ROWS == slice;  // v channels: only this block's rows
+    const bool owner = p < 2 ? slice == 0 : mine_v;   // writes this channel's conv outputs
+    const int row0 = slice * ROWS + warp * ROWS_PER_WARP;  // this warp's first state row
     // Every load that depends on nothing is issued first, so the state rows' latency overlaps
     // the conv's: this warp's rows of the state, then the taps of this thread's channel. Both
     // stay in registers for all nrows tokens and are written back once.
     float* S = state + (u64)h * D * D;
     float s[ROWS_PER_WARP][E];
+    if (warp < RW)
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E);
+        for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
     bf16 tap[MAX_W];
     float wt[MAX_W];
-    if (p < 3) {
+    if (p < 2 || mine_v) {
 #pragma unroll
         for (int j = 0; j < MAX_W - 1; ++j) {
             if (j >= W - 1) break;
@@ -66,7 +73,7 @@ __device__ __forceinline__ void decode_rows(
     }
     for (int row = 0; row < nrows; ++row) {
         float y = 0.0f;
-        if (p < 3) {
+        if (p < 2 || mine_v) {
             const bf16 xin = x[(u64)row * conv_dim + c];
 #pragma unroll
             for (int j = 0; j < MAX_W; ++j)  // compile-time indices keep tap[] in registers
@@ -79,10 +86,12 @@ __device__ __forceinline__ void decode_rows(
             for (int j = 0; j < MAX_W - 1; ++j)  // roll in registers
                 if (j < W - 1) tap[j] = tap[j + 1];
             y = acc * sigmoidf_(acc);
-            const float sq = warp_sum(y * y);  // a warp never straddles q/k/v: D % 32 == 0
-            if (lane == 0) part[warp] = sq;
-        } else {
+        } else if (p == 3) {
             gx[d] = expf(gate[(u64)row * qkv + h * D + d]);
+        }
+        if (p < 2) {  // a warp never straddles q/k/v: D % 32 == 0
+            const float sq = warp_sum(y * y);
+            if (lane == 0) part[warp] = sq;
         }
         __syncthreads();
         if (p < 2) {
@@ -90,71 +99,83 @@ __device__ __forceinline__ void decode_rows(
             for (int i = 0; i < D / 32; ++i) ss += part[p * (D / 32) + i];
             y = y * (1.0f / sqrtf(ss + 1e-6f));
         }
-        if (p < 3) {
+        if (p < 2 || mine_v) {
             const bf16 r = f2bf(y);
-            conv_out[(u64)row * conv_dim + c] = r;
+            if (owner) conv_out[(u64)row * conv_dim + c] = r;
             (p == 0 ? qs : p == 1 ? ks : vs)[d] = bf2f(r);
         }
         __syncthreads();
-        const float b = beta[(u64)row * H + h];
-        float gv[E], kv[E], qv[E];  // this lane's dimensions, the same for all its rows
-        ldv(gv, gx + lane * E);
-        ldv(kv, ks + lane * E);
-        ldv(qv, qs + lane * E);
+        if (warp < RW) {
+            const float b = beta[(u64)row * H + h];
+            float gv[E], kv[E], qv[E];  // this lane's dimensions, the same for all its rows
+            ldv(gv, gx + lane * E);
+            ldv(kv, ks + lane * E);
+            ldv(qv, qs + lane * E);
 #pragma unroll
-        for (int e = 0; e < E; ++e) qv[e] *= scale;
+            for (int e = 0; e < E; ++e) qv[e] *= scale;
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            const int j = warp * ROWS_PER_WARP + r;
-            float kS = 0.0f;
+            for (int r = 0; r < ROWS_PER_WARP; ++r) {
+                const int j = row0 + r;
+                float kS = 0.0f;
 #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                s[r][e] *= gv[e];
-                kS = __fmaf_rn(s[r][e], kv[e], kS);
+                for (int e = 0; e < E; ++e) {
+                    s[r][e] *= gv[e];
+                    kS = __fmaf_rn(s[r][e], kv[e], kS);
+                }
+                const float bres = b * (vs[j] - warp_sum(kS));
+                float o = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
+                    o = __fmaf_rn(s[r][e], qv[e], o);
+                }
+                o = warp_sum(o);
+                if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
             }
-            const float bres = b * (vs[j] - warp_sum(kS));
-            float o = 0.0f;
+            if (row < nsnap)  // the state after this row, for a partial accept to rewind to
 #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
-                o = __fmaf_rn(s[r][e], qv[e], o);
-            }
-            o = warp_sum(o);
-            if (lane == 0) {
-                cs[j] = o;
-                core[(u64)row * qkv + h * D + j] = o;
-            }
+                for (int r = 0; r < ROWS_PER_WARP; ++r)
+                    stv(snap_rec + ((u64)row * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
         }
-        if (row < nsnap) {  // the state after this row, for a partial accept to rewind to
-            float* dst = snap_rec + ((u64)row * H + h) * D * D;
+        if (row < nsnap && owner)
 #pragma unroll
-            for (int r = 0; r < ROWS_PER_WARP; ++r)
-                stv(dst + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E, s[r]);
-            if (p < 3)
+            for (int j = 0; j < MAX_W - 1; ++j)
+                if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
+        // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block
+        // to finish this row (a counter per row and head, left at zero again) does it. After
+        // the final row it also stores the q/k conv state, which every block read at its start.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(&sync[row * H + h], 1) == SPLIT - 1;
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            if (warp == 0) {
+                float v[E], ss = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    v[e] = __ldcg(core + (u64)row * qkv + h * D + lane + 32 * e);
+                    ss = __fmaf_rn(v[e], v[e], ss);
+                }
+                const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const int dd = lane + 32 * e;
+                    const u64 o = (u64)row * qkv + h * D + dd;
+                    o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
+                }
+            }
+            if (row == nrows - 1 && p < 2)
 #pragma unroll
                 for (int j = 0; j < MAX_W - 1; ++j)
-                    if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
-        }
-        __syncthreads();
-        if (warp == 0) {
-            float v[E], ss = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                v[e] = cs[lane + 32 * e];
-                ss = __fmaf_rn(v[e], v[e], ss);
-            }
-            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const int dd = lane + 32 * e;
-                const u64 o = (u64)row * qkv + h * D + dd;
-                o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
-            }
+                    if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+            if (tid == 0) sync[row * H + h] = 0;
         }
     }
+    if (warp < RW)
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(warp * ROWS_PER_WARP + r) * D + lane * E, s[r]);
-    if (p < 3)
+        for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
+    if (mine_v)
 #pragma unroll
         for (int j = 0; j < MAX_W - 1; ++j)
             if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
@@ -164,11 +185,11 @@ __device__ __forceinline__ void decode_rows(
     extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_rows_d##D(                   \
         const bf16* x, bf16* conv_state, const float* conv_w, bf16* conv_out, const float* gate, \
         const float* beta, float* state, float* core, const bf16* out_gate,                     \
-        const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int nrows,   \
-        int nsnap, int H, int W, float scale, float eps) {                                      \
+        const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
+        int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
         decode_rows<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,      \
-                       o_norm_w, o_norm_out, snap_rec, snap_conv, nrows, nsnap, H, W, scale,    \
-                       eps);                                                                    \
+                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W,     \
+                       scale, eps);                                                             \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)

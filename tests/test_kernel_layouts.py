@@ -62,6 +62,11 @@ def test_walk_variants_are_the_compiled_ones():
     assert built == {(d, vs) for d in (64, 128) for vs in kernels.WALK_SLICES}
 
 
+def test_decode_split_matches():
+    src = (kernels_dir() / "recurrent.cu").read_text()
+    assert int(re.search(r"^#define SPLIT (\d+)", src, re.M).group(1)) == kernels.DECODE_SPLIT
+
+
 def test_gemv_constants_match():
     src = (kernels_dir() / "gemv.cu").read_text()
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
