@@ -109,6 +109,20 @@ __device__ __forceinline__ void put_pairs(unsigned* buf, int ld, int r0, int n0,
     }
 }
 
+// acc[j] + err[j] += A B over k-pairs [0, kp_end) for a warp's NT column tiles n0 + 8j of B
+// (rows of k-pairs); a_at(kp) loads the A fragment of k-pairs kp..
+template <int NT, typename LoadA>
+__device__ __forceinline__ void tiles_product(float (&acc)[NT][4], float (&err)[NT][4], int kp_end,
+                                              LoadA a_at, const unsigned* B, int ldb, int n0,
+                                              int g, int t) {
+#pragma unroll
+    for (int kp = 0; kp < kp_end; kp += 8) {
+        const Frag a = a_at(kp);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) mma3(acc[j], err[j], a, frag_b(B, ldb, kp, n0 + 8 * j, g, t));
+    }
+}
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
@@ -489,17 +503,9 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         const float gl0 = gls[m3 + g], gl1 = gls[m3 + g + 8];
 
         // W = u - w S
-        float acc[L::NT1][4], err[L::NT1][4];
-#pragma unroll
-        for (int j = 0; j < L::NT1; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
-#pragma unroll
-        for (int kp = 0; kp < D / 2; kp += 8) {
-            const Frag a = frag_a(Wb, L::LDA, m1, kp, g, t4);
-#pragma unroll
-            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Ss, L::LDB, kp, n1 + 8 * j, g, t4));
-        }
+        float acc[L::NT1][4] = {}, err[L::NT1][4] = {};
+        tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Wb, L::LDA, m1, kp, g, t4); },
+                      Ss, L::LDB, n1, g, t4);
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j) {
             float wv[4];
@@ -520,17 +526,11 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         for (int j = 0; j < L::NT1; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
-#pragma unroll
-        for (int kp = 0; kp < D / 2; kp += 8) {
-            const Frag a = frag_a(Qb, L::LDA, m1, kp, g, t4);
-#pragma unroll
-            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Ss, L::LDB, kp, n1 + 8 * j, g, t4));
-        }
-        for (int kp = 0; kp < (m1 + 16) / 2; kp += 8) {
-            const Frag a = frag_a(Ab, L::LDQ, m1, kp, g, t4);
-#pragma unroll
-            for (int j = 0; j < L::NT1; ++j) mma3(acc[j], err[j], a, frag_b(Wm, L::LDB, kp, n1 + 8 * j, g, t4));
-        }
+        tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Qb, L::LDA, m1, kp, g, t4); },
+                      Ss, L::LDB, n1, g, t4);
+        tiles_product(acc, err, (m1 + 16) / 2,
+                      [&](int kp) { return frag_a(Ab, L::LDQ, m1, kp, g, t4); }, Wm, L::LDB, n1,
+                      g, t4);
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j)
 #pragma unroll
@@ -546,18 +546,12 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         __syncthreads();  // K(c) landed; every read of qg, Aqk and the old S is done
         if (more) issue_qa(ci + 1);
         cp_commit();
-        float se[L::NT3][4];
+        float se[L::NT3][4] = {};
 #pragma unroll
-        for (int j = 0; j < L::NT3; ++j) {
+        for (int j = 0; j < L::NT3; ++j)
             S[j][0] *= gl0, S[j][1] *= gl0, S[j][2] *= gl1, S[j][3] *= gl1;
-            se[j][0] = se[j][1] = se[j][2] = se[j][3] = 0.0f;
-        }
-#pragma unroll
-        for (int kp = 0; kp < CH / 2; kp += 8) {
-            const Frag a = frag_at(Kb, L::LDK, m3, kp, g, t4);
-#pragma unroll
-            for (int j = 0; j < L::NT3; ++j) mma3(S[j], se[j], a, frag_b(Wm, L::LDB, kp, n3 + 8 * j, g, t4));
-        }
+        tiles_product(S, se, CH / 2, [&](int kp) { return frag_at(Kb, L::LDK, m3, kp, g, t4); },
+                      Wm, L::LDB, n3, g, t4);
 #pragma unroll
         for (int j = 0; j < L::NT3; ++j) {
 #pragma unroll
