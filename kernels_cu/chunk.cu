@@ -311,18 +311,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         }
     }
 
-    // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)], solved as products: with L = I +
-    // diag(b) A (unit lower triangular), [u | w] = L^-1 diag(b) [v | k exp(G)]. L^-1 is built
-    // in 16-row blocks (each diagonal block by substitution, those below from them), then one
-    // [C, C] x [C, 2D] product on tensor cores replaces 2D column substitutions of C^2/2
-    // dependent FMAs each. The right-hand sides are staged in shared memory first (G, k, q and
-    // the scaled rows are done with). u is written as fp32, w as split words in pairs along d.
-    constexpr int LR = 2 * D + 4, LT = CH - SB;
-    static_assert(CH * LR + SB * LT <= L::A_OFF, "right-hand sides and partial products fit below A");
-    float* Rs = sm;            // [CH][2D + 4]: v | k exp(G)
-    float* Tm = sm + CH * LR;  // [SB][C - SB]: a block row's partial products
-    float* Li = Ms;            // [CH][AP]: L^-1 (Aqk is stored already)
-    __syncthreads();  // Aqk read out of Ms; k exp(G) in w_out is visible; G, k, q, Es are free
+    // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)]: one column a thread, forward
+    // substitution over the rows; four partial sums keep the dot products' chains short. The
+    // right-hand sides are staged in shared memory first (G, k, q and the scaled rows are
+    // done with): read from global memory inside the row loop, each load would wait for the
+    // previous row's store, which the compiler cannot prove distinct. u is written as fp32,
+    // w as split words in pairs along d (lanes 2i and 2i+1 meet in a shuffle).
+    static_assert(2 * D <= THREADS, "one solve column a thread");
+    static_assert(CH * (2 * D + 4) <= L::A_OFF, "right-hand sides fit below A");
+    constexpr int LR = 2 * D + 4;
+    float* Rs = sm;  // [CH][2D + 4]: v | k exp(G)
+    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free
     for (int i = tid; i < CH * 2 * D / 4; i += THREADS) {
         const int r = i / (2 * D / 4), c4 = (i % (2 * D / 4)) * 4;
         const u64 o = row0 + r * rstride + (c4 % D);
@@ -330,70 +329,32 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                                 : *reinterpret_cast<const float4*>(w_out + o);
         *reinterpret_cast<float4*>(Rs + r * LR + c4) = x;
     }
-    for (int i = tid; i < CH * AP; i += THREADS) Li[i] = 0.0f;
     __syncthreads();
-    if (tid < CH) {  // column j of the inverse of a diagonal block, by forward substitution
-        const int base = tid / SB * SB, j = tid % SB;
-        float x[SB];
+    const int col = tid;
+    if (col < 2 * D) {
+        const int dc = col < D ? col : col - D;
+        float* dst = (col < D ? u_out : w_out) + row0 + dc;
+        float x[CH];
 #pragma unroll
-        for (int r = 0; r < SB; ++r) {
-            float acc = 0.0f;
+        for (int r = 0; r < CH; ++r) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int s = 0; s < r; ++s) acc = __fmaf_rn(A[(base + r) * AP + base + s], x[s], acc);
-            x[r] = r < j ? 0.0f : r == j ? 1.0f : -Bs[base + r] * acc;
-            if (r >= j) Li[(base + r) * AP + base + j] = x[r];
-        }
-    }
-    // block row i of L^-1 left of its diagonal: -L^-1_ii (diag(b) A L^-1) over the rows above
-    for (int r0 = SB; r0 < CH; r0 += SB) {
-        __syncthreads();  // the rows above and this diagonal block are final
-        for (int e = tid; e < SB * r0; e += THREADS) {
-            const int r = e / r0, c = e % r0;
-            float acc = 0.0f;
-            for (int s = c; s < r0; ++s) acc = __fmaf_rn(A[(r0 + r) * AP + s], Li[s * AP + c], acc);
-            Tm[r * LT + c] = Bs[r0 + r] * acc;
-        }
-        __syncthreads();
-        for (int e = tid; e < SB * r0; e += THREADS) {
-            const int r = e / r0, c = e % r0;
-            float acc = 0.0f;
-            for (int m = 0; m <= r; ++m) acc = __fmaf_rn(Li[(r0 + r) * AP + r0 + m], Tm[m * LT + c], acc);
-            Li[(r0 + r) * AP + c] = -acc;
-        }
-    }
-    __syncthreads();
-    // [u | w] = L^-1 (b x right-hand sides): warp w owns NC columns, one 16 x 8 tile at a time;
-    // L^-1's tiles above the diagonal are zero and skipped
-    constexpr int NC = 2 * D / (THREADS / 32), MT = CH / 16;
-    for (int n0 = warp * NC; n0 < (warp + 1) * NC; n0 += 8) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            float acc[4] = {}, err[4] = {};
-#pragma unroll
-            for (int kb = 0; kb <= mt; ++kb) {
-                const int n = n0 + g, k = 16 * kb + 2 * t4;
-                const uint2 b0 = split_pair(Bs[k] * Rs[k * LR + n], Bs[k + 1] * Rs[(k + 1) * LR + n]);
-                const uint2 b1 = split_pair(Bs[k + 8] * Rs[(k + 8) * LR + n],
-                                            Bs[k + 9] * Rs[(k + 9) * LR + n]);
-                const float* ar = Li + (16 * mt + g) * AP + 16 * kb + 2 * t4;
-                const float2 x0 = *reinterpret_cast<const float2*>(ar);
-                const float2 x1 = *reinterpret_cast<const float2*>(ar + 8 * AP);
-                const float2 x2 = *reinterpret_cast<const float2*>(ar + 8);
-                const float2 x3 = *reinterpret_cast<const float2*>(ar + 8 * AP + 8);
-                const uint2 s0 = split_pair(x0.x, x0.y), s1 = split_pair(x1.x, x1.y);
-                const uint2 s2 = split_pair(x2.x, x2.y), s3 = split_pair(x3.x, x3.y);
-                mma3(acc, err, {{s0.x, s1.x, s2.x, s3.x}, {s0.y, s1.y, s2.y, s3.y}},
-                     {{b0.x, b1.x, 0u, 0u}, {b0.y, b1.y, 0u, 0u}});
+            for (int s = 0; s < (r & ~3); s += 4) {
+                const float4 a4 = *reinterpret_cast<const float4*>(A + r * AP + s);
+                acc[0] = __fmaf_rn(a4.x, x[s], acc[0]);
+                acc[1] = __fmaf_rn(a4.y, x[s + 1], acc[1]);
+                acc[2] = __fmaf_rn(a4.z, x[s + 2], acc[2]);
+                acc[3] = __fmaf_rn(a4.w, x[s + 3], acc[3]);
             }
 #pragma unroll
-            for (int i = 0; i < 4; i += 2) {
-                const int t = 16 * mt + g + 4 * i, col = n0 + 2 * t4;
-                const float x0 = acc[i] + err[i], x1 = acc[i + 1] + err[i + 1];
-                const u64 o = row0 + t * rstride;
-                if (col < D)
-                    *reinterpret_cast<float2*>(u_out + o + col) = make_float2(x0, x1);
-                else
-                    *reinterpret_cast<uint2*>(w_out + o + col - D) = split_pair(x0, x1);
+            for (int s = r & ~3; s < r; ++s) acc[s & 3] = __fmaf_rn(A[r * AP + s], x[s], acc[s & 3]);
+            x[r] = Bs[r] * (Rs[r * LR + col] - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
+            if (col < D) {
+                dst[r * rstride] = x[r];
+            } else {
+                const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
+                const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
+                reinterpret_cast<unsigned*>(dst)[r * rstride] = dc & 1 ? w2.y : w2.x;
             }
         }
     }
