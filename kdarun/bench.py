@@ -159,7 +159,7 @@ def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k
                                                ws.qkv_proj, k),
         "lowrank_gate_gemv": lambda: kn.lowrank_gate_gemv(
             stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw, ws.out_gate,
-            ws.gate, ws.beta, k),
+            ws.gate, ws.beta, k, w.o_proj),
         "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
         "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
                                                          ws.final_out, c.hidden_size, c.qkv, k),

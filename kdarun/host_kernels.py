@@ -53,8 +53,9 @@ def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv):
     _pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
 
 
-def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, M,
-                      H, D, R, lower_bound, bounded):
+def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, warm,
+                      warm_bytes, M, H, D, R, lower_bound, bounded):
+    # warm/warm_bytes: the CUDA kernel's L2 prefetch, nothing to do here
     f_a = proj + 3 * H * D * 2
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, H * D, R, M, ldp, H * D)
     dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, H * D, R, M, ldp, H * D)

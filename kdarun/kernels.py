@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 # Mirrors of constants and layouts the CUDA sources fix; tests/test_kernel_layouts.py builds a
 # host program from those sources and checks every one of them against these.
-GEMV_WARPS = 8  # output rows per GEMV block: one warp each (WARPS in gemv.cu)
+GEMV_TILE = 16  # output rows a GEMV block (TILE in gemv.cu)
+GEMV_WARPS = 8  # warps a GEMV block, each a share of K (WARPS in gemv.cu)
 THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
@@ -92,7 +93,7 @@ class Glm5NextKdaKernels:
 
     @staticmethod
     def _gemv_cfg(rows: int) -> LaunchConfig:
-        return LaunchConfig((_blocks(rows, GEMV_WARPS), 1, 1), (32 * GEMV_WARPS, 1, 1))
+        return LaunchConfig((_blocks(rows, GEMV_TILE), 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -114,15 +115,20 @@ class Glm5NextKdaKernels:
 
     def lowrank_gate_gemv(self, stream: int, f_b: DevicePtr, g_b: DevicePtr, proj: DevicePtr,
                           a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
-                          out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, m: int) -> None:
+                          out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, m: int,
+                          o_proj: DevicePtr) -> None:
         """Decode's low-rank gates from proj's f_a|g_a|b columns: g_raw and the forget gate,
-        out_gate, and beta, for m rows in one launch."""
+        out_gate, and beta, for m rows in one launch. It also starts an L2 prefetch of
+        o_proj [hidden, qkv] bf16 (as much as half the L2 holds), the weights the decode reads
+        next once the recurrent step is done."""
         c = self.cfg
         self._gemv_check("lowrank_gate_gemv", c.rank, m, c.proj_width)
         bounded = c.gate_lower_bound is not None
-        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv + c.num_heads),
+        warm = min(c.hidden_size * c.qkv * 2, self.gpu.l2_bytes // 2) // 16 * 16
+        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv + GEMV_TILE),
                      (f_b, g_b, proj, i32(c.proj_width), a_log, dt_bias, g_raw, out_gate, gate,
-                      beta, i32(m), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
+                      beta, o_proj, np.uint64(warm), i32(m), i32(c.num_heads), i32(c.head_dim),
+                      i32(c.rank),
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,

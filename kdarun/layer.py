@@ -91,7 +91,7 @@ class Glm5NextKdaLayer:
         self._ws_stage(gpu, stream, ws, "qkv_parts", "proj_gemv_bf16", t)
         self._ws_stage(gpu, stream, ws, "qkv_proj", "proj_gemv_bf16", t)
         kn.lowrank_gate_gemv(stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw,
-                             ws.out_gate, ws.gate, ws.beta, t)
+                             ws.out_gate, ws.gate, ws.beta, t, w.o_proj)
         for name in ("g_raw", "out_gate", "gate", "beta"):
             self._ws_stage(gpu, stream, ws, name, "lowrank_gate_gemv", t)
 

@@ -19,8 +19,8 @@ from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-U32 = np.dtype(np.uint32)
-I32 = np.dtype(np.int32)  # split words: see host_kernels.split_words
+U32 = np.dtype(np.uint32)  # split words: see host_kernels.split_words
+I32 = np.dtype(np.int32)
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
 

@@ -45,13 +45,6 @@ __device__ __forceinline__ uint2 split_pair(float x0, float x1) {
                                       x1 - __uint_as_float(hi & 0xffff0000u)));
 }
 
-__device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const unsigned b[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // A and B fragments of one 16x8x16 step, as hi and lo words. Buffers hold rows of word pairs
 // (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_at` reads
 // A[m][k] from rows of k-pairs with m along the row (a transposed operand), `frag_b` reads

@@ -1,61 +1,85 @@
-// Decode projections are pure weight streaming (bf16, read once per token), so one warp owns
-// one output row and streams it with 16-byte loads, U vectors in flight per lane; up to
-// MAX_ROWS token rows share each weight load (decode_k's verify). Every kernel here reduces a
-// row with the same gemv_row_dot, whose fma order and reduction tree do not depend on M:
-// that is what makes decode_k bit-identical to K decodes.
+// Decode projections are pure weight streaming (bf16, read once per token). A block owns TILE
+// output rows and splits K over its warps; each warp multiplies its share on tensor cores with
+// the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows cost the same
+// instructions as one and the kernel stays memory-bound at any K (scalar FMAs made K = 4 cost
+// 1.7x one row). The k order, the MMA chains and the cross-warp sum are fixed and an output
+// column depends on no other column: decode_k is bit-identical to K decodes.
 #include "gate.cuh"
 
-#define MAX_ROWS 8
-#define WARPS 8
-#define U 4
+#define MAX_ROWS 8  // token rows: the MMA's N
+#define TILE 16     // output rows a block: the MMA's M
+#define WARPS 8     // K shares of a block
+#define U 8         // 32-wide k steps a lane has in flight (2 x 16 bytes of weights each)
+#define PREFETCH 4096  // bytes of L2 prefetch a thread issues
 
-// acc[m] = W[n, :K] . x[m, :K] for m < M, reduced across the warp (every lane gets it).
-__device__ __forceinline__ void gemv_row_dot(const bf16* __restrict__ Wrow,
-                                             const bf16* __restrict__ x, int K, int M, int ldx,
-                                             float acc[MAX_ROWS]) {
-    const int lane = threadIdx.x & 31;
-    const uint4* w4 = reinterpret_cast<const uint4*>(Wrow);
-    const int K8 = K >> 3;
-#pragma unroll
-    for (int m = 0; m < MAX_ROWS; ++m) acc[m] = 0.0f;
-    for (int base = lane; base < K8; base += 32 * U) {
-        uint4 wv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (base + 32 * u < K8) wv[u] = ld_stream(w4 + base + 32 * u);
+// out = this lane's part of W[n0 : n0+16, :K] x[:M, :K]^T: rows n0+g and n0+g+8 at token
+// columns 2t and 2t+1 (lane = 4g + t), valid in warp 0. A k step covers 32 dimensions: lane t
+// loads 16 bytes at k0 + 8t of rows g and g+8 and of token row g, and their halves feed two
+// MMAs. That permutes k identically in W and x, which a dot product allows, and keeps every
+// weight load a whole 16-byte vector. Rows past N read row N-1 and are never stored.
+__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ W, int N, int K,
+                                          const bf16* __restrict__ x, int M, int ldx, int n0,
+                                          float out[4]) {
+    __shared__ float4 part[WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint4* wa = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g, N - 1) * K) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g + 8, N - 1) * K) + t;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, M - 1) * ldx) + t;
+    const int steps = (K + 31) / 32, K8 = K / 8;
+    float c[2][4] = {};  // even and odd steps: two shorter chains of dependent MMAs
+    for (int s0 = warp; s0 < steps; s0 += WARPS * U) {
+        uint4 va[U], vb[U], vx[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int i = base + 32 * u;
-            if (i >= K8) break;
-            float wf[8];
-            unpack8(wv[u], wf);
-#pragma unroll
-            for (int m = 0; m < MAX_ROWS; ++m) {
-                if (m >= M) break;
-                float xf[8];
-                unpack8(__ldg(reinterpret_cast<const uint4*>(x + (u64)m * ldx) + i), xf);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[m] = __fmaf_rn(wf[j], xf[j], acc[m]);
+            const int i = 4 * (s0 + u * WARPS);  // this lane's vector: i + t
+            va[u] = vb[u] = vx[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (i + t < K8) {
+                va[u] = ld_stream(wa + i);
+                vb[u] = ld_stream(wb + i);
+                if (g < M) vx[u] = __ldg(xr + i);
             }
         }
-    }
 #pragma unroll
-    for (int m = 0; m < MAX_ROWS; ++m)
-        if (m < M) acc[m] = warp_sum(acc[m]);
+        for (int u = 0; u < U; ++u) {
+            const unsigned a0[4] = {va[u].x, vb[u].x, va[u].y, vb[u].y}, b0[2] = {vx[u].x, vx[u].y};
+            const unsigned a1[4] = {va[u].z, vb[u].z, va[u].w, vb[u].w}, b1[2] = {vx[u].z, vx[u].w};
+            mma_bf16(c[u & 1], a0, b0);
+            mma_bf16(c[u & 1], a1, b1);
+        }
+    }
+    part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
+                                   c[0][3] + c[1][3]);
+    __syncthreads();
+    if (warp != 0) return;
+    float4 s = part[0][lane];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+        const float4 p = part[w][lane];
+        s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+    }
+    out[0] = s.x, out[1] = s.y, out[2] = s.z, out[3] = s.w;
+}
+
+// Calls put(n, m, value) for each of this lane's outputs that exists (n < N, m < M).
+template <typename F>
+__device__ __forceinline__ void tile_outputs(const float out[4], int n0, int N, int M, F put) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int n = n0 + g + 8 * (i >> 1), m = 2 * t + (i & 1);
+        if (n < N && m < M) put(n, m, out[i]);
+    }
 }
 
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
                 int N, int K, int M, int ldx, int ldy) {
-    const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;
-    float acc[MAX_ROWS];
-    gemv_row_dot(W + (u64)n * K, x, K, M, ldx, acc);
-    if ((threadIdx.x & 31) != 0) return;
-#pragma unroll
-    for (int m = 0; m < MAX_ROWS; ++m)
-        if (m < M) y[(u64)m * ldy + n] = f2bf(acc[m]);
+    const int n0 = blockIdx.x * TILE;
+    float out[4];
+    gemv_tile(W, N, K, x, M, ldx, n0, out);
+    if (threadIdx.x >= 32) return;
+    tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
 // The packed input projection q|k|v|f_a|g_a|b of decode: rows go to proj [M, ldp], and the
@@ -64,56 +88,57 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 proj_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
                bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, int N, int K, int M,
                int ldp, int qkv) {
-    const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;
-    float acc[MAX_ROWS];
-    gemv_row_dot(W + (u64)n * K, x, K, M, K, acc);
-    if ((threadIdx.x & 31) != 0) return;
-#pragma unroll
-    for (int m = 0; m < MAX_ROWS; ++m) {
-        if (m >= M) break;
-        const bf16 v = f2bf(acc[m]);
-        proj[(u64)m * ldp + n] = v;
+    const int n0 = blockIdx.x * TILE;
+    float out[4];
+    gemv_tile(W, N, K, x, M, K, n0, out);
+    if (threadIdx.x >= 32) return;
+    tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
+        const bf16 r = f2bf(v);
+        proj[(u64)m * ldp + n] = r;
         if (n < 3 * qkv) {
-            qkv_proj[(u64)m * 3 * qkv + n] = v;
-            qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = v;
+            qkv_proj[(u64)m * 3 * qkv + n] = r;
+            qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
         }
-    }
+    });
 }
 
-// The low-rank gates of decode, one launch: output rows [0, qkv) are g_raw = f_b . f_a with
-// the forget gate computed from the rounded value; [qkv, 2*qkv) are out_gate = g_b . g_a;
-// the last H rows are beta = sigmoid(b). f_a, g_a, b are columns of proj [M, ldp].
+// The low-rank gates of decode, one launch: tiles of output rows [0, qkv) are g_raw = f_b . f_a
+// with the forget gate computed from the rounded value, [qkv, 2*qkv) out_gate = g_b . g_a; the
+// last block computes beta = sigmoid(b). f_a, g_a, b are columns of proj [M, ldp].
+// The gates and the recurrent step after them leave DRAM idle, so the blocks also start an L2
+// prefetch of `warm` (o_proj's weights, as far as L2 holds them) for the GEMV that follows.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 lowrank_gate_gemv(const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
                   const bf16* __restrict__ proj, int ldp, const float* __restrict__ a_log,
                   const float* __restrict__ dt_bias, bf16* __restrict__ g_raw,
                   bf16* __restrict__ out_gate, float* __restrict__ gate, float* __restrict__ beta,
-                  int M, int H, int D, int R, float lower_bound, int bounded) {
-    const int qkv = H * D, lane = threadIdx.x & 31;
-    const int n = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    const bf16* f_a = proj + 3 * qkv;
-    if (n < 2 * qkv) {
-        const bool is_f = n < qkv;
-        const int c = is_f ? n : n - qkv;
-        float acc[MAX_ROWS];
-        gemv_row_dot((is_f ? f_b : g_b) + (u64)c * R, is_f ? f_a : f_a + R, R, M, ldp, acc);
-        if (lane != 0) return;
-#pragma unroll
-        for (int m = 0; m < MAX_ROWS; ++m) {
-            if (m >= M) break;
-            const bf16 v = f2bf(acc[m]);
-            if (is_f) {
-                g_raw[(u64)m * qkv + c] = v;
-                gate[(u64)m * qkv + c] =
-                    kda_gate_value(bf2f(v) + dt_bias[c], expf(a_log[c / D]), lower_bound, bounded);
-            } else {
-                out_gate[(u64)m * qkv + c] = v;
-            }
-        }
-    } else if (n < 2 * qkv + H && lane == 0) {
-        const int h = n - 2 * qkv;
-        for (int m = 0; m < M; ++m)
-            beta[(u64)m * H + h] = sigmoidf_(bf2f(proj[(u64)m * ldp + 3 * qkv + 2 * R + h]));
+                  const char* __restrict__ warm, u64 warm_bytes, int M, int H, int D, int R,
+                  float lower_bound, int bounded) {
+    const int qkv = H * D, n0 = blockIdx.x * TILE;
+    for (u64 o = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * PREFETCH; o < warm_bytes;
+         o += (u64)gridDim.x * blockDim.x * PREFETCH) {
+        const unsigned n = (unsigned)min((u64)PREFETCH, warm_bytes - o);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(warm + o), "r"(n) : "memory");
     }
+    const bf16* f_a = proj + 3 * qkv;
+    if (n0 >= 2 * qkv) {
+        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
+            beta[i] = sigmoidf_(bf2f(proj[(u64)(i / H) * ldp + 3 * qkv + 2 * R + i % H]));
+        return;
+    }
+    const bool is_f = n0 < qkv;  // qkv is a multiple of TILE: a tile is all f or all g
+    const int c0 = is_f ? n0 : n0 - qkv;
+    float out[4];
+    gemv_tile(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldp, c0, out);
+    if (threadIdx.x >= 32) return;
+    tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
+        const bf16 r = f2bf(v);
+        if (is_f) {
+            g_raw[(u64)m * qkv + c] = r;
+            gate[(u64)m * qkv + c] =
+                kda_gate_value(bf2f(r) + dt_bias[c], expf(a_log[c / D]), lower_bound, bounded);
+        } else {
+            out_gate[(u64)m * qkv + c] = r;
+        }
+    });
 }

@@ -71,4 +71,5 @@ def test_gemv_constants_match():
     src = (kernels_dir() / "gemv.cu").read_text()
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
     assert define("WARPS") == kernels.GEMV_WARPS
+    assert define("TILE") == kernels.GEMV_TILE
     assert define("MAX_ROWS") == MAX_DECODE_ROWS
