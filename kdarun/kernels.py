@@ -179,8 +179,8 @@ class Glm5NextKdaKernels:
         conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on state
         [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the states
         after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
-        [nsnap, W-1, conv_dim]. sync [K, H] int32 counts the blocks of a head done with each
-        row; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
+        [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
+        rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
         core, out_gate, o_norm_out) advance a row a token."""
         c = self.cfg
         if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:

@@ -84,9 +84,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis",
                "in-chunk decayed q.k products, causal"),
-    BufferSpec("decode_sync", lambda c, t, tp: (MAX_DECODE_ROWS, c.num_heads), I32, False,
-               "[K, H] int32", "decode: blocks of a head that finished each row; zero between "
-               "calls (the last block resets it)", poison=False),
+    BufferSpec("decode_sync", lambda c, t, tp: (c.num_heads,), I32, False, "[H] int32",
+               "decode: blocks of a head done with the recurrent step; zero between calls (the "
+               "last block resets it)", poison=False),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
                                              c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),

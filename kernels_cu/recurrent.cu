@@ -141,36 +141,39 @@ __device__ __forceinline__ void decode_rows(
 #pragma unroll
             for (int j = 0; j < MAX_W - 1; ++j)
                 if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
-        // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block
-        // to finish this row (a counter per row and head, left at zero again) does it. After
-        // the final row it also stores the q/k conv state, which every block read at its start.
+        __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
+    }
+    // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block to
+    // finish (a counter per head, left at zero again) normalises every row, one warp a row, so
+    // K rows pay one fence and one atomic, not K. It also stores the q/k conv state, which
+    // every block read at its start.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&sync[h], 1) == SPLIT - 1;
+    __syncthreads();
+    if (last) {
         __threadfence();
-        __syncthreads();
-        if (tid == 0) last = atomicAdd(&sync[row * H + h], 1) == SPLIT - 1;
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            if (warp == 0) {
-                float v[E], ss = 0.0f;
+        if (warp < nrows) {
+            const int row = warp;
+            float v[E], ss = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    v[e] = __ldcg(core + (u64)row * qkv + h * D + lane + 32 * e);
-                    ss = __fmaf_rn(v[e], v[e], ss);
-                }
-                const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const int dd = lane + 32 * e;
-                    const u64 o = (u64)row * qkv + h * D + dd;
-                    o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
-                }
+            for (int e = 0; e < E; ++e) {
+                v[e] = __ldcg(core + (u64)row * qkv + h * D + lane + 32 * e);
+                ss = __fmaf_rn(v[e], v[e], ss);
             }
-            if (row == nrows - 1 && p < 2)
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
-                for (int j = 0; j < MAX_W - 1; ++j)
-                    if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
-            if (tid == 0) sync[row * H + h] = 0;
+            for (int e = 0; e < E; ++e) {
+                const int dd = lane + 32 * e;
+                const u64 o = (u64)row * qkv + h * D + dd;
+                o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
+            }
         }
+        if (p < 2)
+#pragma unroll
+            for (int j = 0; j < MAX_W - 1; ++j)
+                if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+        if (tid == 0) sync[h] = 0;
     }
     if (warp < RW)
 #pragma unroll
