@@ -40,7 +40,8 @@ def _rsqrt_norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 # -- gemv ------------------------------------------------------------------------------------
-def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy):
+def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
+    # ks: how the CUDA kernel shares K among warps; one host pass needs none
     W = gpu.view(w, (n, k), BF).astype(F32)
     X, Y = _rows(gpu, x, m, ldx, k, BF), _rows(gpu, y, m, ldy, n, BF)
     for r in range(int(m)):
@@ -48,13 +49,13 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy):
         Y[r] = (W @ xr).astype(BF)
 
 
-def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv):
+def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv, ks):
     dense_gemv_bf16(gpu, w, x, proj, n, k, m, k, ldp)
     _pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
 
 
 def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, warm,
-                      warm_bytes, M, H, D, R, lower_bound, bounded):
+                      warm_bytes, M, H, D, R, lower_bound, bounded, ks):
     # warm/warm_bytes: the CUDA kernel's L2 prefetch, nothing to do here
     f_a = proj + 3 * H * D * 2
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, H * D, R, M, ldp, H * D)

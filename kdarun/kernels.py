@@ -91,17 +91,29 @@ class Glm5NextKdaKernels:
             raise KdaError(f"{name}: need k and ldx multiples of 8 with ldx >= k; "
                            f"got k={k} ldx={ldx}")
 
+    def _gemv_shares(self, rows: int, k: int) -> int:
+        """Warps that share one GEMV tile's K: the fewest (a power of two up to GEMV_WARPS,
+        each at least two 32-wide k steps) that give every SM GEMV_WARPS warps' loads in
+        flight. It depends on the shape alone, so every row count sums in the same order."""
+        tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
+        while (ks < GEMV_WARPS and tiles * ks < GEMV_WARPS * self.gpu.sm_count
+               and 2 * ks <= steps // 2):
+            ks *= 2
+        return ks
+
     @staticmethod
-    def _gemv_cfg(rows: int) -> LaunchConfig:
-        return LaunchConfig((_blocks(rows, GEMV_TILE), 1, 1), (32 * GEMV_WARPS, 1, 1))
+    def _gemv_cfg(rows: int, ks: int, extra_blocks: int = 0) -> LaunchConfig:
+        blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks) + extra_blocks
+        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m <= 8 dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
-        self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n),
-                     (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n)), stream)
+        ks = self._gemv_shares(n, k)
+        self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n, ks),
+                     (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n), i32(ks)), stream)
 
     def proj_gemv_bf16(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, m: int) -> None:
@@ -109,9 +121,11 @@ class Glm5NextKdaKernels:
         proj [m, proj_width], with q|k|v also written to qkv_proj and qkv_parts."""
         c = self.cfg
         self._gemv_check("proj_gemv_bf16", c.hidden_size, m, c.hidden_size)
-        self._launch("gemv", "proj_gemv_bf16", self._gemv_cfg(c.proj_rows),
+        ks = self._gemv_shares(c.proj_rows, c.hidden_size)
+        self._launch("gemv", "proj_gemv_bf16", self._gemv_cfg(c.proj_rows, ks),
                      (w_in, hidden, proj, qkv_parts, qkv_proj, i32(c.proj_rows),
-                      i32(c.hidden_size), i32(m), i32(c.proj_width), i32(c.qkv)), stream)
+                      i32(c.hidden_size), i32(m), i32(c.proj_width), i32(c.qkv), i32(ks)),
+                     stream)
 
     def lowrank_gate_gemv(self, stream: int, f_b: DevicePtr, g_b: DevicePtr, proj: DevicePtr,
                           a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
@@ -125,11 +139,12 @@ class Glm5NextKdaKernels:
         self._gemv_check("lowrank_gate_gemv", c.rank, m, c.proj_width)
         bounded = c.gate_lower_bound is not None
         warm = min(c.hidden_size * c.qkv * 2, self.gpu.l2_bytes // 2) // 16 * 16
-        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv + GEMV_TILE),
+        ks = self._gemv_shares(2 * c.qkv, c.rank)
+        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv, ks, extra_blocks=1),
                      (f_b, g_b, proj, i32(c.proj_width), a_log, dt_bias, g_raw, out_gate, gate,
                       beta, o_proj, np.uint64(warm), i32(m), i32(c.num_heads), i32(c.head_dim),
-                      i32(c.rank),
-                      f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
+                      i32(c.rank), f32(c.gate_lower_bound if bounded else 0.0), i32(bounded),
+                      i32(ks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

@@ -1,63 +1,76 @@
-// Decode projections are pure weight streaming (bf16, read once per token). A block owns TILE
-// output rows and splits K over its warps; each warp multiplies its share on tensor cores with
-// the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows cost the same
-// instructions as one and the kernel stays memory-bound at any K (scalar FMAs made K = 4 cost
-// 1.7x one row). The k order, the MMA chains and the cross-warp sum are fixed and an output
-// column depends on no other column: decode_k is bit-identical to K decodes.
+// Decode projections are pure weight streaming (bf16, read once per token). A warp owns a tile
+// of TILE output rows, or a 1/KS share of its K when the tiles alone are too few to keep enough
+// loads in flight (KS is the launch's choice; blocks hold WARPS / KS tiles). It multiplies on
+// tensor cores with the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows
+// cost the same instructions as one (scalar FMAs made K = 4 cost 1.7x one row), and streams
+// its weights through a ring of U loads in flight that it refills as each MMA consumes one.
+// The k order, the MMA chains and the sum over shares are fixed and an output column depends
+// on no other column: decode_k is bit-identical to K decodes.
 #include "gate.cuh"
 
 #define MAX_ROWS 8  // token rows: the MMA's N
-#define TILE 16     // output rows a block: the MMA's M
-#define WARPS 8     // K shares of a block
+#define TILE 16     // output rows a tile: the MMA's M
+#define WARPS 8     // warps a block
 #define U 8         // 32-wide k steps a lane has in flight (2 x 16 bytes of weights each)
 #define PREFETCH 4096  // bytes of L2 prefetch a thread issues
 
-// out = this lane's part of W[n0 : n0+16, :K] x[:M, :K]^T: rows n0+g and n0+g+8 at token
-// columns 2t and 2t+1 (lane = 4g + t), valid in warp 0. A k step covers 32 dimensions: lane t
-// loads 16 bytes at k0 + 8t of rows g and g+8 and of token row g, and their halves feed two
-// MMAs. That permutes k identically in W and x, which a dot product allows, and keeps every
-// weight load a whole 16-byte vector. Rows past N read row N-1 and are never stored.
-__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ W, int N, int K,
+// This warp's tile: blocks hold WARPS / ks tiles of ks warps each.
+__device__ __forceinline__ int gemv_tile_index(int ks) {
+    return blockIdx.x * (WARPS / ks) + (threadIdx.x >> 5) / ks;
+}
+
+// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile; true in the warp that then holds the sums
+// in out: rows n0+g and n0+g+8 at token columns 2t and 2t+1 (lane = 4g + t). Every warp of the
+// block must call it (it synchronises the block). A k step covers 32 dimensions: lane t loads
+// 16 bytes at k0 + 8t of rows g and g+8 and of token row g, whose halves feed two MMAs. That
+// permutes k identically in W and x, which a dot product allows, and keeps every weight load a
+// whole 16-byte vector. Share j of ks takes steps j, j+ks, ... Rows past N read row N-1 and are
+// never stored.
+__device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
-                                          float out[4]) {
+                                          int ks, float out[4]) {
     __shared__ float4 part[WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const uint4* wa = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g, N - 1) * K) + t;
-    const uint4* wb = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g + 8, N - 1) * K) + t;
+    const int share = warp % ks, steps = (K + 31) / 32, K8 = K / 8;
+    const int n = n0 < N ? (steps - share + ks - 1) / ks : 0;  // this warp's steps
+    const int last = max(N - 1, 0);
+    const uint4* wa = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g, last) * K) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g + 8, last) * K) + t;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, M - 1) * ldx) + t;
-    const int steps = (K + 31) / 32, K8 = K / 8;
-    float c[2][4] = {};  // even and odd steps: two shorter chains of dependent MMAs
-    for (int s0 = warp; s0 < steps; s0 += WARPS * U) {
-        uint4 va[U], vb[U], vx[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = 4 * (s0 + u * WARPS);  // this lane's vector: i + t
-            va[u] = vb[u] = vx[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (i + t < K8) {
-                va[u] = ld_stream(wa + i);
-                vb[u] = ld_stream(wb + i);
-                if (g < M) vx[u] = __ldg(xr + i);
-            }
+    uint4 va[U], vb[U], vx[U];
+    auto load = [&](int j, int u) {  // step j of this warp into ring slot u (zeros past the end)
+        const int i = 4 * (share + ks * j);  // this lane's vector: i + t
+        va[u] = vb[u] = vx[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (j < n && i + t < K8) {
+            va[u] = ld_stream(wa + i);
+            vb[u] = ld_stream(wb + i);
+            if (g < M) vx[u] = __ldg(xr + i);
         }
+    };
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(u, u);
+    float c[2][4] = {};  // even and odd slots: two shorter chains of dependent MMAs
+    for (int j0 = 0; j0 < n; j0 += U) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const unsigned a0[4] = {va[u].x, vb[u].x, va[u].y, vb[u].y}, b0[2] = {vx[u].x, vx[u].y};
             const unsigned a1[4] = {va[u].z, vb[u].z, va[u].w, vb[u].w}, b1[2] = {vx[u].z, vx[u].w};
             mma_bf16(c[u & 1], a0, b0);
             mma_bf16(c[u & 1], a1, b1);
+            load(j0 + u + U, u);
         }
     }
     part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
                                    c[0][3] + c[1][3]);
     __syncthreads();
-    if (warp != 0) return;
-    float4 s = part[0][lane];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) {
-        const float4 p = part[w][lane];
+    if (share != 0 || n0 >= N) return false;
+    float4 s = part[warp][lane];
+    for (int w = 1; w < ks; ++w) {
+        const float4 p = part[warp + w][lane];
         s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
     }
     out[0] = s.x, out[1] = s.y, out[2] = s.z, out[3] = s.w;
+    return true;
 }
 
 // Calls put(n, m, value) for each of this lane's outputs that exists (n < N, m < M).
@@ -74,11 +87,10 @@ __device__ __forceinline__ void tile_outputs(const float out[4], int n0, int N, 
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
-                int N, int K, int M, int ldx, int ldy) {
-    const int n0 = blockIdx.x * TILE;
+                int N, int K, int M, int ldx, int ldy, int ks) {
+    const int n0 = gemv_tile_index(ks) * TILE;
     float out[4];
-    gemv_tile(W, N, K, x, M, ldx, n0, out);
-    if (threadIdx.x >= 32) return;
+    if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
@@ -87,11 +99,10 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 proj_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
                bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, int N, int K, int M,
-               int ldp, int qkv) {
-    const int n0 = blockIdx.x * TILE;
+               int ldp, int qkv, int ks) {
+    const int n0 = gemv_tile_index(ks) * TILE;
     float out[4];
-    gemv_tile(W, N, K, x, M, K, n0, out);
-    if (threadIdx.x >= 32) return;
+    if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
         const bf16 r = f2bf(v);
         proj[(u64)m * ldp + n] = r;
@@ -113,24 +124,24 @@ lowrank_gate_gemv(const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
                   const float* __restrict__ dt_bias, bf16* __restrict__ g_raw,
                   bf16* __restrict__ out_gate, float* __restrict__ gate, float* __restrict__ beta,
                   const char* __restrict__ warm, u64 warm_bytes, int M, int H, int D, int R,
-                  float lower_bound, int bounded) {
-    const int qkv = H * D, n0 = blockIdx.x * TILE;
+                  float lower_bound, int bounded, int ks) {
+    const int qkv = H * D;
     for (u64 o = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * PREFETCH; o < warm_bytes;
          o += (u64)gridDim.x * blockDim.x * PREFETCH) {
         const unsigned n = (unsigned)min((u64)PREFETCH, warm_bytes - o);
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(warm + o), "r"(n) : "memory");
     }
     const bf16* f_a = proj + 3 * qkv;
-    if (n0 >= 2 * qkv) {
+    if (blockIdx.x == gridDim.x - 1) {
         for (int i = threadIdx.x; i < M * H; i += blockDim.x)
             beta[i] = sigmoidf_(bf2f(proj[(u64)(i / H) * ldp + 3 * qkv + 2 * R + i % H]));
         return;
     }
-    const bool is_f = n0 < qkv;  // qkv is a multiple of TILE: a tile is all f or all g
-    const int c0 = is_f ? n0 : n0 - qkv;
+    const int n0 = gemv_tile_index(ks) * TILE;  // qkv is a multiple of TILE: all f or all g
+    const bool is_f = n0 < qkv;
+    const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
     float out[4];
-    gemv_tile(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldp, c0, out);
-    if (threadIdx.x >= 32) return;
+    if (!gemv_tile(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldp, c0, ks, out)) return;
     tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
         const bf16 r = f2bf(v);
         if (is_f) {
