@@ -143,11 +143,6 @@ class GpuBackend(abc.ABC):
         """Streaming multiprocessors: how many blocks of a one-block-per-SM kernel run at once."""
         return 1
 
-    @property
-    def l2_bytes(self) -> int:
-        """The device's L2 cache size (0 where there is none to prefetch into)."""
-        return 0
-
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
         """Allocate and copy a host array; returns its device address."""
         array = np.ascontiguousarray(array)

@@ -155,11 +155,7 @@ def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k
     it captured in a graph and replayed, so host launch latency stays out of the figure."""
     c, w, kn = layer.cfg, layer.weights, layer.kernels
     calls = {
-        "proj_gemv": lambda: kn.proj_gemv_bf16(stream, w.w_in, h, ws.ptr("proj"), ws.qkv_parts,
-                                               ws.qkv_proj, k),
-        "lowrank_gate_gemv": lambda: kn.lowrank_gate_gemv(
-            stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw, ws.out_gate,
-            ws.gate, ws.beta, k, w.o_proj),
+        "front_end_gemv": lambda: layer.front_end(gpu, h, k, ws, stream),
         "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
         "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
                                                          ws.final_out, c.hidden_size, c.qkv, k),

@@ -28,7 +28,6 @@ class CupyBackend(GpuBackend):
         props = cp.cuda.runtime.getDeviceProperties(device)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         self._sm_count = int(props["multiProcessorCount"])
-        self._l2_bytes = int(props["l2CacheSize"])
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
         self._functions: dict[tuple[str, str], Any] = {}
@@ -43,10 +42,6 @@ class CupyBackend(GpuBackend):
     @property
     def sm_count(self) -> int:
         return self._sm_count
-
-    @property
-    def l2_bytes(self) -> int:
-        return self._l2_bytes
 
     def stream_obj(self, stream: int):
         """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""

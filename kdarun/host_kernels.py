@@ -41,7 +41,7 @@ def _rsqrt_norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 # -- gemv ------------------------------------------------------------------------------------
 def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
-    # ks: how the CUDA kernel shares K among warps; one host pass needs none
+    # ks: how the CUDA blocks share K among warps; one host pass needs none
     W = gpu.view(w, (n, k), BF).astype(F32)
     X, Y = _rows(gpu, x, m, ldx, k, BF), _rows(gpu, y, m, ldy, n, BF)
     for r in range(int(m)):
@@ -49,22 +49,21 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
         Y[r] = (W @ xr).astype(BF)
 
 
-def proj_gemv_bf16(gpu, w, x, proj, qkv_parts, qkv_proj, n, k, m, ldp, qkv, ks):
-    dense_gemv_bf16(gpu, w, x, proj, n, k, m, k, ldp)
-    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, m, qkv, ldp)
-
-
-def lowrank_gate_gemv(gpu, f_b, g_b, proj, ldp, a_log, dt_bias, g_raw, out_gate, gate, beta, warm,
-                      warm_bytes, M, H, D, R, lower_bound, bounded, ks):
-    # warm/warm_bytes: the CUDA kernel's L2 prefetch, nothing to do here
-    f_a = proj + 3 * H * D * 2
-    dense_gemv_bf16(gpu, f_b, f_a, g_raw, H * D, R, M, ldp, H * D)
-    dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, H * D, R, M, ldp, H * D)
+def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
+                   out_gate, gate, beta, sync, N, K, M, ldp, H, D, R, lower_bound, bounded, ks,
+                   ks_gate, proj_blocks):
+    # sync, ks, ks_gate, proj_blocks: how the CUDA blocks share the work; one host pass needs none
+    qkv = H * D
+    dense_gemv_bf16(gpu, w, x, proj, N, K, M, K, ldp)
+    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, M, qkv, ldp)
+    f_a = proj + 3 * qkv * 2
+    dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldp, qkv)
+    dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, qkv, R, M, ldp, qkv)
     kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldp, a_log, dt_bias, gate, beta, M, M, H, D,
                   lower_bound, bounded)
 
 
-# -- pack (prefill_conv_qkv and proj_gemv_bf16 pieces) ------------------------------------------------------------------------------
+# -- pack (prefill_conv_qkv and front_end_gemv pieces) ------------------------------------------------------------------------------
 def _pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
     P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
     gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
@@ -291,8 +290,7 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
 
 
 HOST_KERNELS: dict[str, dict] = {
-    "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "proj_gemv_bf16": proj_gemv_bf16,
-             "lowrank_gate_gemv": lowrank_gate_gemv},
+    "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "conv_roll_state": conv_roll_state},
     "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},

@@ -102,8 +102,8 @@ class Glm5NextKdaKernels:
         return ks
 
     @staticmethod
-    def _gemv_cfg(rows: int, ks: int, extra_blocks: int = 0) -> LaunchConfig:
-        blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks) + extra_blocks
+    def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
+        blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
@@ -115,36 +115,29 @@ class Glm5NextKdaKernels:
         self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n, ks),
                      (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n), i32(ks)), stream)
 
-    def proj_gemv_bf16(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
-                       qkv_parts: DevicePtr, qkv_proj: DevicePtr, m: int) -> None:
-        """Decode's packed input projection over m rows of hidden [m, hidden] bf16 ->
-        proj [m, proj_width], with q|k|v also written to qkv_proj and qkv_parts."""
+    def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
+                       qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
+                       a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
+                       out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
+                       m: int) -> None:
+        """Decode's front end over m rows of hidden [m, hidden] bf16, one launch: the packed
+        projection -> proj [m, proj_width] (q|k|v also to qkv_proj and qkv_parts), then from
+        its f_a|g_a|b columns g_raw and the forget gate, out_gate and beta. sync [2] int32
+        orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
-        self._gemv_check("proj_gemv_bf16", c.hidden_size, m, c.hidden_size)
+        self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         ks = self._gemv_shares(c.proj_rows, c.hidden_size)
-        self._launch("gemv", "proj_gemv_bf16", self._gemv_cfg(c.proj_rows, ks),
-                     (w_in, hidden, proj, qkv_parts, qkv_proj, i32(c.proj_rows),
-                      i32(c.hidden_size), i32(m), i32(c.proj_width), i32(c.qkv), i32(ks)),
-                     stream)
-
-    def lowrank_gate_gemv(self, stream: int, f_b: DevicePtr, g_b: DevicePtr, proj: DevicePtr,
-                          a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
-                          out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, m: int,
-                          o_proj: DevicePtr) -> None:
-        """Decode's low-rank gates from proj's f_a|g_a|b columns: g_raw and the forget gate,
-        out_gate, and beta, for m rows in one launch. It also starts an L2 prefetch of
-        o_proj [hidden, qkv] bf16 (as much as half the L2 holds), the weights the decode reads
-        next once the recurrent step is done."""
-        c = self.cfg
-        self._gemv_check("lowrank_gate_gemv", c.rank, m, c.proj_width)
+        ks_gate = self._gemv_shares(2 * c.qkv, c.rank)
+        proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
+        blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
         bounded = c.gate_lower_bound is not None
-        warm = min(c.hidden_size * c.qkv * 2, self.gpu.l2_bytes // 2) // 16 * 16
-        ks = self._gemv_shares(2 * c.qkv, c.rank)
-        self._launch("gemv", "lowrank_gate_gemv", self._gemv_cfg(2 * c.qkv, ks, extra_blocks=1),
-                     (f_b, g_b, proj, i32(c.proj_width), a_log, dt_bias, g_raw, out_gate, gate,
-                      beta, o_proj, np.uint64(warm), i32(m), i32(c.num_heads), i32(c.head_dim),
-                      i32(c.rank), f32(c.gate_lower_bound if bounded else 0.0), i32(bounded),
-                      i32(ks)), stream)
+        self._launch("gemv", "front_end_gemv",
+                     LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1)),
+                     (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
+                      out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
+                      i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
+                      f32(c.gate_lower_bound if bounded else 0.0), i32(bounded), i32(ks),
+                      i32(ks_gate), i32(proj_blocks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

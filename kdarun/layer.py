@@ -83,17 +83,15 @@ class Glm5NextKdaLayer:
     # -- decode pieces ---------------------------------------------------------------------
     def front_end(self, gpu: GpuBackend, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace,
                   stream: int) -> None:
-        """The weight-heavy, stateless half of decode over t rows of hidden [t, hidden] bf16:
-        the packed q|k|v|f_a|g_a|b GEMV (writing qkv_parts and qkv_proj too), then the
-        low-rank gates with the forget gate and beta in the same launch."""
-        w, kn = self.weights, self.kernels
-        kn.proj_gemv_bf16(stream, w.w_in, hidden, ws.ptr("proj"), ws.qkv_parts, ws.qkv_proj, t)
-        self._ws_stage(gpu, stream, ws, "qkv_parts", "proj_gemv_bf16", t)
-        self._ws_stage(gpu, stream, ws, "qkv_proj", "proj_gemv_bf16", t)
-        kn.lowrank_gate_gemv(stream, w.f_b, w.g_b, ws.ptr("proj"), w.a_log, w.dt_bias, ws.g_raw,
-                             ws.out_gate, ws.gate, ws.beta, t, w.o_proj)
-        for name in ("g_raw", "out_gate", "gate", "beta"):
-            self._ws_stage(gpu, stream, ws, name, "lowrank_gate_gemv", t)
+        """The weight-heavy, stateless half of decode over t rows of hidden [t, hidden] bf16,
+        one launch: the packed q|k|v|f_a|g_a|b GEMV (writing qkv_parts and qkv_proj too), the
+        low-rank gates with the forget gate, and beta."""
+        w = self.weights
+        self.kernels.front_end_gemv(stream, w.w_in, hidden, ws.ptr("proj"), ws.qkv_parts,
+                                    ws.qkv_proj, w.f_b, w.g_b, w.a_log, w.dt_bias, ws.g_raw,
+                                    ws.out_gate, ws.gate, ws.beta, ws.ptr("front_sync"), t)
+        for name in ("qkv_parts", "qkv_proj", "g_raw", "out_gate", "gate", "beta"):
+            self._ws_stage(gpu, stream, ws, name, "front_end_gemv", t)
 
     def stateful_row(self, gpu: GpuBackend, row: int, state: KdaSeqState,
                      ws: Glm5NextKdaWorkspace, stream: int) -> None:

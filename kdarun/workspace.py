@@ -84,6 +84,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis",
                "in-chunk decayed q.k products, causal"),
+    BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
+               "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "
+               "(the last gate block resets them)", poison=False),
     BufferSpec("decode_sync", lambda c, t, tp: (c.num_heads,), I32, False, "[H] int32",
                "decode: blocks of a head done with the recurrent step; zero between calls (the "
                "last block resets it)", poison=False),

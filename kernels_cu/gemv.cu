@@ -12,11 +12,10 @@
 #define TILE 16     // output rows a tile: the MMA's M
 #define WARPS 8     // warps a block
 #define U 8         // 32-wide k steps a lane has in flight (2 x 16 bytes of weights each)
-#define PREFETCH 4096  // bytes of L2 prefetch a thread issues
 
-// This warp's tile: blocks hold WARPS / ks tiles of ks warps each.
-__device__ __forceinline__ int gemv_tile_index(int ks) {
-    return blockIdx.x * (WARPS / ks) + (threadIdx.x >> 5) / ks;
+// This warp's tile in a launch's run of blocks from block 0: WARPS / ks tiles of ks warps each.
+__device__ __forceinline__ int gemv_tile_index(int block, int ks) {
+    return block * (WARPS / ks) + (threadIdx.x >> 5) / ks;
 }
 
 // W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile; true in the warp that then holds the sums
@@ -25,7 +24,8 @@ __device__ __forceinline__ int gemv_tile_index(int ks) {
 // 16 bytes at k0 + 8t of rows g and g+8 and of token row g, whose halves feed two MMAs. That
 // permutes k identically in W and x, which a dot product allows, and keeps every weight load a
 // whole 16-byte vector. Share j of ks takes steps j, j+ks, ... Rows past N read row N-1 and are
-// never stored.
+// never stored. COHERENT reads x through L2 only: x that other blocks of the launch wrote.
+template <bool COHERENT = false>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
                                           int ks, float out[4]) {
@@ -44,7 +44,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         if (j < n && i + t < K8) {
             va[u] = ld_stream(wa + i);
             vb[u] = ld_stream(wb + i);
-            if (g < M) vx[u] = __ldg(xr + i);
+            if (g < M) vx[u] = COHERENT ? __ldcg(xr + i) : __ldg(xr + i);
         }
     };
 #pragma unroll
@@ -88,68 +88,79 @@ __device__ __forceinline__ void tile_outputs(const float out[4], int n0, int N, 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
                 int N, int K, int M, int ldx, int ldy, int ks) {
-    const int n0 = gemv_tile_index(ks) * TILE;
+    const int n0 = gemv_tile_index(blockIdx.x, ks) * TILE;
     float out[4];
     if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// The packed input projection q|k|v|f_a|g_a|b of decode: rows go to proj [M, ldp], and the
-// q|k|v rows also straight to qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv] (no pack launch).
+// Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (rows to proj
+// [M, ldp], q|k|v also to qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv]), then from f_a and g_a
+// the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
+// beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
+// first (the lowest blocks) and count themselves done in sync[0]; the gate blocks come last
+// and wait for that count, so none waits on a block that might not have started. The last gate
+// block to finish (sync[1] counts them) zeroes both counters for the next call. The gates thus
+// run while the q|k|v weights still stream, instead of as a launch of their own.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-proj_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
-               bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, int N, int K, int M,
-               int ldp, int qkv, int ks) {
-    const int n0 = gemv_tile_index(ks) * TILE;
-    float out[4];
-    if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
-    tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
-        const bf16 r = f2bf(v);
-        proj[(u64)m * ldp + n] = r;
-        if (n < 3 * qkv) {
-            qkv_proj[(u64)m * 3 * qkv + n] = r;
-            qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
+front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
+               bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj,
+               const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
+               const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+               bf16* __restrict__ g_raw, bf16* __restrict__ out_gate, float* __restrict__ gate,
+               float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldp,
+               int H, int D, int R, float lower_bound, int bounded, int ks, int ks_gate,
+               int proj_blocks) {
+    const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
+    const int early = tiles - first;  // the f_a|g_a|b tiles, run first
+    if (blockIdx.x < proj_blocks) {
+        const int i = gemv_tile_index(blockIdx.x, ks);
+        const int n0 = (i < early ? first + i : i - early) * TILE;
+        float out[4];
+        if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
+        tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
+            const bf16 r = f2bf(v);
+            proj[(u64)m * ldp + n] = r;
+            if (n < 3 * qkv) {
+                qkv_proj[(u64)m * 3 * qkv + n] = r;
+                qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
+            }
+        });
+        if (i < early) {
+            __threadfence();
+            __syncwarp();
+            if ((threadIdx.x & 31) == 0) atomicAdd(&sync[0], 1);
         }
-    });
-}
-
-// The low-rank gates of decode, one launch: tiles of output rows [0, qkv) are g_raw = f_b . f_a
-// with the forget gate computed from the rounded value, [qkv, 2*qkv) out_gate = g_b . g_a; the
-// last block computes beta = sigmoid(b). f_a, g_a, b are columns of proj [M, ldp].
-// The gates and the recurrent step after them leave DRAM idle, so the blocks also start an L2
-// prefetch of `warm` (o_proj's weights, as far as L2 holds them) for the GEMV that follows.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-lowrank_gate_gemv(const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
-                  const bf16* __restrict__ proj, int ldp, const float* __restrict__ a_log,
-                  const float* __restrict__ dt_bias, bf16* __restrict__ g_raw,
-                  bf16* __restrict__ out_gate, float* __restrict__ gate, float* __restrict__ beta,
-                  const char* __restrict__ warm, u64 warm_bytes, int M, int H, int D, int R,
-                  float lower_bound, int bounded, int ks) {
-    const int qkv = H * D;
-    for (u64 o = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * PREFETCH; o < warm_bytes;
-         o += (u64)gridDim.x * blockDim.x * PREFETCH) {
-        const unsigned n = (unsigned)min((u64)PREFETCH, warm_bytes - o);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(warm + o), "r"(n) : "memory");
-    }
-    const bf16* f_a = proj + 3 * qkv;
-    if (blockIdx.x == gridDim.x - 1) {
-        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
-            beta[i] = sigmoidf_(bf2f(proj[(u64)(i / H) * ldp + 3 * qkv + 2 * R + i % H]));
         return;
     }
-    const int n0 = gemv_tile_index(ks) * TILE;  // qkv is a multiple of TILE: all f or all g
-    const bool is_f = n0 < qkv;
-    const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
-    float out[4];
-    if (!gemv_tile(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldp, c0, ks, out)) return;
-    tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
-        const bf16 r = f2bf(v);
-        if (is_f) {
-            g_raw[(u64)m * qkv + c] = r;
-            gate[(u64)m * qkv + c] =
-                kda_gate_value(bf2f(r) + dt_bias[c], expf(a_log[c / D]), lower_bound, bounded);
-        } else {
-            out_gate[(u64)m * qkv + c] = r;
-        }
-    });
+    if (threadIdx.x == 0) {
+        while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+    const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
+    const bf16* f_a = proj + 3 * qkv;
+    if (gb == gate_blocks - 1) {
+        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
+            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldp + 2 * R + i % H)));
+    } else {
+        const int n0 = gemv_tile_index(gb, ks_gate) * TILE;  // qkv % TILE == 0: all f or all g
+        const bool is_f = n0 < qkv;
+        const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
+        float out[4];
+        if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldp, c0, ks_gate,
+                            out))
+            tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
+                const bf16 r = f2bf(v);
+                if (is_f) {
+                    g_raw[(u64)m * qkv + c] = r;
+                    gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c],
+                                                            expf(a_log[c / D]), lower_bound, bounded);
+                } else {
+                    out_gate[(u64)m * qkv + c] = r;
+                }
+            });
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
 }
