@@ -51,8 +51,9 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
 
 def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                    out_gate, gate, beta, sync, N, K, M, ldp, H, D, R, lower_bound, bounded, ks,
-                   ks_gate, proj_blocks):
-    # sync, ks, ks_gate, proj_blocks: how the CUDA blocks share the work; one host pass needs none
+                   ks_gate, early_blocks, gate_blocks):
+    # sync, ks, ks_gate, early_blocks, gate_blocks: how the CUDA blocks share the work and
+    # order it; one host pass needs none
     qkv = H * D
     dense_gemv_bf16(gpu, w, x, proj, N, K, M, K, ldp)
     _pack_qkv(gpu, proj, qkv_parts, qkv_proj, M, qkv, ldp)
@@ -144,8 +145,8 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
 # -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
-            o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
-        qkv = H * D  # sync: the CUDA blocks' per-head counter; one host pass needs none
+            o_norm_out, snap_rec, snap_conv, nrows, nsnap, H, W, scale, eps):
+        qkv = H * D
         for r in range(nrows):
             xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
             _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)

@@ -22,10 +22,11 @@ FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 # host program from those sources and checks every one of them against these.
 GEMV_TILE = 16  # output rows a GEMV block (TILE in gemv.cu)
 GEMV_WARPS = 8  # warps a GEMV block, each a share of K (WARPS in gemv.cu)
+GEMV_RING = 8  # 32-wide k steps a GEMV warp keeps in flight (U in gemv.cu)
 THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
-DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
+DECODE_SPLIT = 4  # blocks a head (a cluster) in kda_decode_rows (SPLIT in recurrent.cu)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
 
@@ -92,12 +93,15 @@ class Glm5NextKdaKernels:
                            f"got k={k} ldx={ldx}")
 
     def _gemv_shares(self, rows: int, k: int) -> int:
-        """Warps that share one GEMV tile's K: the fewest (a power of two up to GEMV_WARPS,
-        each at least two 32-wide k steps) that give every SM GEMV_WARPS warps' loads in
-        flight. It depends on the shape alone, so every row count sums in the same order."""
+        """Warps that share one GEMV tile's K, a power of two up to GEMV_WARPS that leaves each
+        at least two 32-wide k steps: enough that every SM has GEMV_WARPS warps' loads in
+        flight, and more while each warp still streams three rings of loads (more warps on a
+        tile put longer runs of each weight row in flight at once, which DRAM serves faster:
+        large's projection took 94 us with 1 share, 81 with 8). It depends on the shape
+        alone, so every row count sums in the same order."""
         tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
-        while (ks < GEMV_WARPS and tiles * ks < GEMV_WARPS * self.gpu.sm_count
-               and 2 * ks <= steps // 2):
+        while ks < GEMV_WARPS and 2 * ks <= steps // 2 and (
+                tiles * ks < GEMV_WARPS * self.gpu.sm_count or steps // (2 * ks) >= 3 * GEMV_RING):
             ks *= 2
         return ks
 
@@ -128,8 +132,10 @@ class Glm5NextKdaKernels:
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         ks = self._gemv_shares(c.proj_rows, c.hidden_size)
         ks_gate = self._gemv_shares(2 * c.qkv, c.rank)
-        proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
-        blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        early = _blocks(_blocks(c.proj_rows, GEMV_TILE) - 3 * c.qkv // GEMV_TILE,
+                        GEMV_WARPS // ks)  # blocks holding the f_a|g_a|b tiles
+        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        blocks = self._gemv_cfg(c.proj_rows, ks).grid[0] + gate_blocks
         bounded = c.gate_lower_bound is not None
         self._launch("gemv", "front_end_gemv",
                      LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1)),
@@ -137,7 +143,7 @@ class Glm5NextKdaKernels:
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded), i32(ks),
-                      i32(ks_gate), i32(proj_blocks)), stream)
+                      i32(ks_gate), i32(early), i32(gate_blocks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:
@@ -182,14 +188,13 @@ class Glm5NextKdaKernels:
                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr, beta: DevicePtr,
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
-                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int) -> None:
-        """nrows decode tokens in order, DECODE_SPLIT blocks per head, one launch: for each,
-        conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on state
-        [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the states
-        after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
-        [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
-        rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
-        core, out_gate, o_norm_out) advance a row a token."""
+                        snap_conv: DevicePtr, nrows: int, nsnap: int) -> None:
+        """nrows decode tokens in order, a cluster of DECODE_SPLIT blocks per head, one launch:
+        for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on
+        state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the
+        states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
+        [nsnap, W-1, conv_dim]. Row pointers (x, conv_out, gate, beta, core, out_gate,
+        o_norm_out) advance a row a token."""
         c = self.cfg
         if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
             raise KdaError(f"kda_decode_rows: need 1 <= nrows <= {MAX_DECODE_ROWS} and "
@@ -197,7 +202,7 @@ class Glm5NextKdaKernels:
         cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
-                      o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
+                      o_norm_w, o_norm_out, snap_rec, snap_conv, i32(nrows), i32(nsnap),
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
 

@@ -65,6 +65,7 @@ def test_walk_variants_are_the_compiled_ones():
 def test_decode_split_matches():
     src = (kernels_dir() / "recurrent.cu").read_text()
     assert int(re.search(r"^#define SPLIT (\d+)", src, re.M).group(1)) == kernels.DECODE_SPLIT
+    assert int(re.search(r"^#define MAX_ROWS (\d+)", src, re.M).group(1)) == MAX_DECODE_ROWS
 
 
 def test_gemv_constants_match():
@@ -72,4 +73,5 @@ def test_gemv_constants_match():
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
     assert define("WARPS") == kernels.GEMV_WARPS
     assert define("TILE") == kernels.GEMV_TILE
+    assert define("U") == kernels.GEMV_RING
     assert define("MAX_ROWS") == MAX_DECODE_ROWS
