@@ -44,10 +44,10 @@ def intra_smem_bytes() -> int:
 
 def walk_smem_bytes(d: int, vs: int) -> int:
     """Shared memory of kda_chunk_inter_d{d}_v{vs}: the `Walk` layout in chunk.cu, in 4-byte
-    words (w, qg [C, D+8]; kd [C/2, 2D+8]; Aqk [C, C+8]; u [C, VS+8]; S [D/2, 2VS+8];
-    W [C/2, 2VS+8]; gl [D])."""
+    words (w, qg [C, D+8]; kd [C/2, 2D+8]; Aqk [C, C+8]; u [C, VS+8]; S [D, VS] and
+    W [C, VS] as split-word fragments; gl [D])."""
     return 4 * (2 * CHUNK * (d + 8) + CHUNK // 2 * (2 * d + 8) + CHUNK * (CHUNK + 8)
-                + CHUNK * (vs + 8) + (d // 2 + CHUNK // 2) * (2 * vs + 8) + d)
+                + CHUNK * (vs + 8) + (d + CHUNK) * vs + d)
 
 
 def _cfg1d(n: int) -> LaunchConfig:

@@ -73,10 +73,14 @@ __device__ __forceinline__ Frag frag_bt(const unsigned* buf, int ld, int kp0, in
     return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
 }
 
-__device__ __forceinline__ Frag frag_b(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
-    const unsigned* p = buf + (kp0 + t) * ld + 2 * (n0 + g);
-    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 4 * ld);
-    return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
+// The B operands the walk produces itself (S and W) live in shared memory in fragment order:
+// per 16 x 8 tile (16 k rows as 8 k-pairs, 8 columns n), lane l's four words (b0 hi, b1 hi,
+// b0 lo, b1 lo) at tile * 128 + 4 l. One 16-byte load then hands a lane its fragment in the
+// register pairs the MMA takes; rows of (hi, lo) pairs cost register moves, which Nsight
+// Compute counted as 40% of the walk's instructions.
+__device__ __forceinline__ Frag frag_b(const unsigned* buf, int ntiles, int kp0, int n0, int lane) {
+    const uint4 v = *reinterpret_cast<const uint4*>(buf + ((kp0 / 8) * ntiles + n0 / 8) * 128 + 4 * lane);
+    return {{v.x, v.y, 0u, 0u}, {v.z, v.w, 0u, 0u}};
 }
 
 // big + small += a b: the hi x hi products and the two correction terms accumulate apart
@@ -87,32 +91,35 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
     mma_bf16(small, a.hi, b.lo);
 }
 
-// Store a C fragment (rows r0+g and r0+g+8, columns n0+2t and n0+2t+1) into a buffer of
-// k-pair rows along its rows: lanes g and g^1 swap one value so each holds a row pair.
-__device__ __forceinline__ void put_pairs(unsigned* buf, int ld, int r0, int n0, const float c[4],
-                                          int g, int t) {
+// Store a C fragment (rows r0+g and r0+g+8 with r0 % 16 == 0, columns n0+2t and n0+2t+1) as a
+// later product's B operand, in frag_b's order: lanes g and g^1 swap one value so that each
+// holds a k-pair of one column, then writes the words of the lane that will read them.
+__device__ __forceinline__ void put_bfrag(unsigned* buf, int ntiles, int r0, int n0,
+                                          const float c[4], int g, int t) {
     const bool odd = g & 1;
+    uint2 w[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const float v0 = c[2 * half], v1 = c[2 * half + 1];
         const float x = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        const int row = r0 + g + 8 * half - odd, col = n0 + 2 * t + odd;
-        *reinterpret_cast<uint2*>(buf + (row >> 1) * ld + 2 * col) =
-            odd ? split_pair(x, v1) : split_pair(v0, x);
+        w[half] = odd ? split_pair(x, v1) : split_pair(v0, x);
     }
+    const int reader = (2 * t + odd) * 4 + (g - odd) / 2;
+    *reinterpret_cast<uint4*>(buf + ((r0 / 16) * ntiles + n0 / 8) * 128 + 4 * reader) =
+        make_uint4(w[0].x, w[1].x, w[0].y, w[1].y);
 }
 
 // acc[j] + err[j] += A B over k-pairs [0, kp_end) for a warp's NT column tiles n0 + 8j of B
-// (rows of k-pairs); a_at(kp) loads the A fragment of k-pairs kp..
+// (in frag_b's order, ntiles column tiles wide); a_at(kp) loads the A fragment of k-pairs kp..
 template <int NT, typename LoadA>
 __device__ __forceinline__ void tiles_product(float (&acc)[NT][4], float (&err)[NT][4], int kp_end,
-                                              LoadA a_at, const unsigned* B, int ldb, int n0,
-                                              int g, int t) {
+                                              LoadA a_at, const unsigned* B, int ntiles, int n0,
+                                              int lane) {
 #pragma unroll
     for (int kp = 0; kp < kp_end; kp += 8) {
         const Frag a = a_at(kp);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) mma3(acc[j], err[j], a, frag_b(B, ldb, kp, n0 + 8 * j, g, t));
+        for (int j = 0; j < NT; ++j) mma3(acc[j], err[j], a, frag_b(B, ntiles, kp, n0 + 8 * j, lane));
     }
 }
 
@@ -372,20 +379,20 @@ __device__ __forceinline__ void stage_async(void* dst, int ld, const void* src, 
     }
 }
 
-// Shared memory of the walk, in 4-byte words. Every split-word operand is read as 8-byte
-// (hi, lo) pairs; a row stride = 8 mod 32 words puts a half-warp's fragment reads in distinct
-// banks, whichever way the operand is read.
+// Shared memory of the walk, in 4-byte words. The staged split-word operands are read as
+// 8-byte (hi, lo) pairs; a row stride = 8 mod 32 words puts a half-warp's fragment reads in
+// distinct banks, whichever way the operand is read. S and W are in frag_b's order.
 template <int D, int VS>
 struct Walk {
     static constexpr int LDA = D + 8;       // w, qg: [C][D] rows of d-pairs
     static constexpr int LDK = 2 * D + 8;   // kd: [C/2][2D] rows of t-pairs
     static constexpr int LDQ = CH + 8;      // Aqk: [C][C] rows of s-pairs
     static constexpr int LDU = VS + 8;      // u: [C][VS] fp32
-    static constexpr int LDB = 2 * VS + 8;  // S: [D/2][2VS], W: [C/2][2VS] rows of k-pairs
+    static constexpr int NTB = VS / 8;      // column tiles of S [D, VS] and W [C, VS]
     static constexpr int W_OFF = 0, Q_OFF = W_OFF + CH * LDA, K_OFF = Q_OFF + CH * LDA;
     static constexpr int A_OFF = K_OFF + CH / 2 * LDK, U_OFF = A_OFF + CH * LDQ;
-    static constexpr int S_OFF = U_OFF + CH * LDU, WM_OFF = S_OFF + D / 2 * LDB;
-    static constexpr int GL_OFF = WM_OFF + CH / 2 * LDB, WORDS = GL_OFF + D;
+    static constexpr int S_OFF = U_OFF + CH * LDU, WM_OFF = S_OFF + D * VS;
+    static constexpr int GL_OFF = WM_OFF + CH * VS, WORDS = GL_OFF + D;
     static constexpr int WARPS = WALK_THREADS / 32;
     // W and O are [C, VS]: warps tile 4 row blocks x WARPS / 4 column groups.
     static constexpr int CG1 = WARPS / 4, NT1 = VS / 8 / CG1;
@@ -444,7 +451,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
             const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
             S[j][i] = state[((u64)h * D + v0 + c) * D + r];
         }
-        put_pairs(Ss, L::LDB, m3, n3 + 8 * j, S[j], g, t4);
+        put_bfrag(Ss, L::NTB, m3, n3 + 8 * j, S[j], g, t4);
     }
 
     for (int ci = 0; ci < nchunks; ++ci) {
@@ -459,7 +466,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         // W = u - w S
         float acc[L::NT1][4] = {}, err[L::NT1][4] = {};
         tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Wb, L::LDA, m1, kp, g, t4); },
-                      Ss, L::LDB, n1, g, t4);
+                      Ss, L::NTB, n1, lane);
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j) {
             float wv[4];
@@ -467,7 +474,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
             for (int i = 0; i < 4; ++i)
                 wv[i] = Ub[(m1 + g + 8 * (i >> 1)) * L::LDU + n1 + 8 * j + 2 * t4 + (i & 1)] -
                         (acc[j][i] + err[j][i]);
-            put_pairs(Wm, L::LDB, m1, n1 + 8 * j, wv, g, t4);
+            put_bfrag(Wm, L::NTB, m1, n1 + 8 * j, wv, g, t4);
         }
         __syncthreads();  // W complete; w, u, gl free
         if (more) issue_wu(ci + 1);
@@ -481,10 +488,10 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
         tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Qb, L::LDA, m1, kp, g, t4); },
-                      Ss, L::LDB, n1, g, t4);
+                      Ss, L::NTB, n1, lane);
         tiles_product(acc, err, (m1 + 16) / 2,
-                      [&](int kp) { return frag_a(Ab, L::LDQ, m1, kp, g, t4); }, Wm, L::LDB, n1,
-                      g, t4);
+                      [&](int kp) { return frag_a(Ab, L::LDQ, m1, kp, g, t4); }, Wm, L::NTB, n1,
+                      lane);
 #pragma unroll
         for (int j = 0; j < L::NT1; ++j)
 #pragma unroll
@@ -505,12 +512,12 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         for (int j = 0; j < L::NT3; ++j)
             S[j][0] *= gl0, S[j][1] *= gl0, S[j][2] *= gl1, S[j][3] *= gl1;
         tiles_product(S, se, CH / 2, [&](int kp) { return frag_at(Kb, L::LDK, m3, kp, g, t4); },
-                      Wm, L::LDB, n3, g, t4);
+                      Wm, L::NTB, n3, lane);
 #pragma unroll
         for (int j = 0; j < L::NT3; ++j) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) S[j][i] += se[j][i];
-            put_pairs(Ss, L::LDB, m3, n3 + 8 * j, S[j], g, t4);
+            put_bfrag(Ss, L::NTB, m3, n3 + 8 * j, S[j], g, t4);
         }
     }
     cp_wait<0>();

@@ -5,7 +5,8 @@ benchmarks (with fla alongside where importable) and a short summary table last.
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
         [--only decode|prefill] [--tokens 1024,4096] [--no-fla] [--pytest-args "-k prefill"]
 
-Installs nothing. Full results go to $OUT/gpu_check.json when OUT is set.
+Installs nothing. The benchmarks run only if the tests pass. Full results go to
+$OUT/gpu_check.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main() -> int:
     tests = None
     if not args.skip_tests:
         tests = report["tests"] = run_tests(shlex.split(args.pytest_args))
+        if tests["returncode"] != 0:
+            print("GPU tests failed: benchmarks skipped (figures from failing code mean nothing)")
+            args.skip_bench = True
     rows: list[tuple[str, str, str]] = []
     if not args.skip_bench:
         stream = gpu.create_stream()
