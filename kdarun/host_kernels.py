@@ -145,8 +145,8 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
 # -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
-            o_norm_out, snap_rec, snap_conv, nrows, nsnap, H, W, scale, eps):
-        qkv = H * D
+            o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
+        qkv = H * D  # sync: the CUDA blocks' per-head counter; one host pass needs none
         for r in range(nrows):
             xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
             _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)

@@ -26,7 +26,7 @@ GEMV_RING = 8  # 32-wide k steps a GEMV warp keeps in flight (U in gemv.cu)
 THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
-DECODE_SPLIT = 4  # blocks a head (a cluster) in kda_decode_rows (SPLIT in recurrent.cu)
+DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
 
@@ -188,13 +188,14 @@ class Glm5NextKdaKernels:
                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr, beta: DevicePtr,
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
-                        snap_conv: DevicePtr, nrows: int, nsnap: int) -> None:
-        """nrows decode tokens in order, a cluster of DECODE_SPLIT blocks per head, one launch:
-        for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on
-        state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the
-        states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
-        [nsnap, W-1, conv_dim]. Row pointers (x, conv_out, gate, beta, core, out_gate,
-        o_norm_out) advance a row a token."""
+                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int) -> None:
+        """nrows decode tokens in order, DECODE_SPLIT blocks per head, one launch: for each,
+        conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on state
+        [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the states
+        after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
+        [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
+        rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
+        core, out_gate, o_norm_out) advance a row a token."""
         c = self.cfg
         if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
             raise KdaError(f"kda_decode_rows: need 1 <= nrows <= {MAX_DECODE_ROWS} and "
@@ -202,7 +203,7 @@ class Glm5NextKdaKernels:
         cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
-                      o_norm_w, o_norm_out, snap_rec, snap_conv, i32(nrows), i32(nsnap),
+                      o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
 

@@ -111,7 +111,8 @@ class Glm5NextKdaLayer:
             stream, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w, ws.conv_out + row * cd,
             ws.gate + row * f, ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
             ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
-            ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"), n, nsnap)
+            ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"),
+            ws.ptr("decode_sync"), n, nsnap)
         if self.stage_hook is None:
             return
         for r in range(row, row + n):

@@ -1,32 +1,16 @@
 // Decode tokens of one sequence, fused: conv (+SiLU, +L2 of q and k), the delta-rule step and
-// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). A
-// cluster of SPLIT blocks shares a head, each owning D/SPLIT rows of its state [Dv, Dk] fp32
-// (the only large traffic), so the state streams through H x SPLIT blocks instead of H; every
-// block computes the head's q, k and decay itself (they are small), and the RMSNorm's sum of
-// squares meets in distributed shared memory. K tokens cost one launch and one read and write
-// of the state instead of K; each token runs the same code, so K rows are bit-identical to K
-// single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so decode
-// and the stage dumps see the same operands.
+// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). SPLIT
+// blocks share a head, each owning D/SPLIT rows of its state [Dv, Dk] fp32 (the only large
+// traffic), so the state streams through H x SPLIT blocks instead of H; every block computes
+// the head's q, k and decay itself (they are small). K tokens cost one launch and one read and
+// write of the state instead of K; each token runs the same code, so K rows are bit-identical
+// to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
+// decode and the stage dumps see the same operands.
 #include "common.cuh"
 
 #define ROWS_PER_WARP 8
 #define MAX_W 8  // the config allows conv widths up to 8
-#define SPLIT 4  // blocks a head (a cluster): each owns D/SPLIT state rows, so H x 4 blocks fill the GPU
-#define MAX_ROWS 8  // tokens one launch walks (decode_k's K at most)
-
-__device__ __forceinline__ void cluster_sync() {  // also orders shared memory cluster-wide
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-                 ::: "memory");
-}
-
-// *p in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-}
+#define SPLIT 4  // blocks a head: each owns D/SPLIT state rows, so H x 4 blocks fill the GPU
 
 // A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of
 // the load instructions, which otherwise queue up behind each other (the state is the kernel's
@@ -52,12 +36,12 @@ __device__ __forceinline__ void decode_rows(
     bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int nrows, int nsnap, int H,
-    int W, float scale, float eps) {
+    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
+    int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
     constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
     __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
-    __shared__ float cs[MAX_ROWS][ROWS], sq[MAX_ROWS];  // this block's outputs, their sum of squares
+    __shared__ int last;
     const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
@@ -146,10 +130,7 @@ __device__ __forceinline__ void decode_rows(
                     o = __fmaf_rn(s[r][e], qv[e], o);
                 }
                 o = warp_sum(o);
-                if (lane == 0) {
-                    core[(u64)row * qkv + h * D + j] = o;
-                    cs[row][j - slice * ROWS] = o;
-                }
+                if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
             }
             if (row < nsnap)  // the state after this row, for a partial accept to rewind to
 #pragma unroll
@@ -162,39 +143,38 @@ __device__ __forceinline__ void decode_rows(
                 if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
         __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
     }
-    // The gated RMSNorm of each row needs its sum of squares over the head's D outputs: every
-    // block adds up its own ROWS, the cluster meets, and each block sums the SPLIT partial
-    // sums in rank order and normalises its own outputs (one warp a row).
-    if (warp < nrows) {
-        float ss = 0.0f;
+    // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block to
+    // finish (a counter per head, left at zero again) normalises every row, one warp a row, so
+    // K rows pay one fence and one atomic, not K. It also stores the q/k conv state, which
+    // every block read at its start.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&sync[h], 1) == SPLIT - 1;
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        if (warp < nrows) {
+            const int row = warp;
+            float v[E], ss = 0.0f;
 #pragma unroll
-        for (int e = 0; e < (ROWS + 31) / 32; ++e) {
-            const float v = lane + 32 * e < ROWS ? cs[warp][lane + 32 * e] : 0.0f;
-            ss = __fmaf_rn(v, v, ss);
+            for (int e = 0; e < E; ++e) {
+                v[e] = __ldcg(core + (u64)row * qkv + h * D + lane + 32 * e);
+                ss = __fmaf_rn(v[e], v[e], ss);
+            }
+            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const int dd = lane + 32 * e;
+                const u64 o = (u64)row * qkv + h * D + dd;
+                o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
+            }
         }
-        ss = warp_sum(ss);
-        if (lane == 0) sq[warp] = ss;
+        if (p < 2)
+#pragma unroll
+            for (int j = 0; j < MAX_W - 1; ++j)
+                if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+        if (tid == 0) sync[h] = 0;
     }
-    cluster_sync();
-    if (warp < nrows) {
-        const int row = warp;
-        float ss = 0.0f;
-#pragma unroll
-        for (int r = 0; r < SPLIT; ++r) ss += ld_cluster(&sq[row], r);
-        const float inv = 1.0f / sqrtf(ss / D + eps);
-#pragma unroll
-        for (int e = 0; e < (ROWS + 31) / 32; ++e) {
-            const int i = lane + 32 * e, dd = slice * ROWS + i;
-            if (i >= ROWS) break;
-            const u64 o = (u64)row * qkv + h * D + dd;
-            o_norm_out[o] = f2bf(cs[row][i] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
-        }
-    }
-    cluster_sync();  // no block leaves while another still reads its sums
-    if (slice == 0 && p < 2)  // every block read the q/k conv state at its start
-#pragma unroll
-        for (int j = 0; j < MAX_W - 1; ++j)
-            if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
     if (warp < RW)
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
@@ -205,16 +185,14 @@ __device__ __forceinline__ void decode_rows(
 }
 
 #define KDA_DECODE_ROWS(D)                                                                      \
-    extern "C" __global__ void __cluster_dims__(1, SPLIT, 1) __launch_bounds__(4 * D)          \
-        kda_decode_rows_d##D(const bf16* x, bf16* conv_state, const float* conv_w,              \
-                             bf16* conv_out, const float* gate, const float* beta,              \
-                             float* state, float* core, const bf16* out_gate,                   \
-                             const float* o_norm_w, bf16* o_norm_out, float* snap_rec,          \
-                             bf16* snap_conv, int nrows, int nsnap, int H, int W, float scale,  \
-                             float eps) {                                                       \
+    extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_rows_d##D(                   \
+        const bf16* x, bf16* conv_state, const float* conv_w, bf16* conv_out, const float* gate, \
+        const float* beta, float* state, float* core, const bf16* out_gate,                     \
+        const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
+        int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
         decode_rows<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,      \
-                       o_norm_w, o_norm_out, snap_rec, snap_conv, nrows, nsnap, H, W, scale,    \
-                       eps);                                                                    \
+                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W,     \
+                       scale, eps);                                                             \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
