@@ -132,10 +132,8 @@ class Glm5NextKdaKernels:
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         ks = self._gemv_shares(c.proj_rows, c.hidden_size)
         ks_gate = self._gemv_shares(2 * c.qkv, c.rank)
-        early = _blocks(_blocks(c.proj_rows, GEMV_TILE) - 3 * c.qkv // GEMV_TILE,
-                        GEMV_WARPS // ks)  # blocks holding the f_a|g_a|b tiles
-        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
-        blocks = self._gemv_cfg(c.proj_rows, ks).grid[0] + gate_blocks
+        proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
+        blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
         bounded = c.gate_lower_bound is not None
         self._launch("gemv", "front_end_gemv",
                      LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1)),
@@ -143,7 +141,7 @@ class Glm5NextKdaKernels:
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
                       f32(c.gate_lower_bound if bounded else 0.0), i32(bounded), i32(ks),
-                      i32(ks_gate), i32(early), i32(gate_blocks)), stream)
+                      i32(ks_gate), i32(proj_blocks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

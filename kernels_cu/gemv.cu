@@ -97,12 +97,12 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 // Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (rows to proj
 // [M, ldp], q|k|v also to qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv]), then from f_a and g_a
 // the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
-// beta = sigmoid(b). The gates need rows that this launch produces, so the blocks run in three
-// groups: the f_a|g_a|b tiles (which count themselves done in sync[0]), then the gate blocks
-// (the last one computes beta), which wait for that count, then the q|k|v tiles. Blocks start
-// in order, so no gate block waits on one that has not started, and the gates run while the
-// q|k|v weights stream instead of as a launch of their own (or a tail after them). The last
-// gate block to finish (sync[1] counts them) zeroes both counters for the next call.
+// beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
+// first (the lowest blocks) and count themselves done in sync[0]; the gate blocks come last
+// and wait for that count, so none waits on a block that might not have started. The last gate
+// block to finish (sync[1] counts them) zeroes both counters for the next call. The gates thus
+// cost no launch of their own: they run in the projection's last wave. (Starting them right
+// after the f_a|g_a|b tiles measured slower: their waiting blocks held the SMs.)
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
                bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj,
@@ -111,12 +111,11 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
                bf16* __restrict__ g_raw, bf16* __restrict__ out_gate, float* __restrict__ gate,
                float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldp,
                int H, int D, int R, float lower_bound, int bounded, int ks, int ks_gate,
-               int early_blocks, int gate_blocks) {
+               int proj_blocks) {
     const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
-    const int early = tiles - first;  // the f_a|g_a|b tiles: the first early_blocks blocks
-    const int gb = blockIdx.x - early_blocks;  // gate blocks: [0, gate_blocks)
-    if (gb < 0 || gb >= gate_blocks) {
-        const int i = gemv_tile_index(gb < 0 ? blockIdx.x : blockIdx.x - gate_blocks, ks);
+    const int early = tiles - first;  // the f_a|g_a|b tiles, run first
+    if (blockIdx.x < proj_blocks) {
+        const int i = gemv_tile_index(blockIdx.x, ks);
         const int n0 = (i < early ? first + i : i - early) * TILE;
         float out[4];
         if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
@@ -140,6 +139,7 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
         __threadfence();
     }
     __syncthreads();
+    const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = proj + 3 * qkv;
     if (gb == gate_blocks - 1) {
         for (int i = threadIdx.x; i < M * H; i += blockDim.x)
