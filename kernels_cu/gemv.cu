@@ -1,6 +1,7 @@
 // Decode projections are pure weight streaming (bf16, read once per token). A warp owns a tile
-// of TILE output rows, or a 1/KS share of its K when the tiles alone are too few to keep enough
-// loads in flight (KS is the launch's choice; blocks hold WARPS / KS tiles). It multiplies on
+// of TILE output rows, or a 1/KS share of its K (KS is the launch's choice: more shares when
+// the tiles alone keep too few loads in flight, or to put longer runs of each weight row in
+// flight at once, which DRAM serves faster; blocks hold WARPS / KS tiles). It multiplies on
 // tensor cores with the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows
 // cost the same instructions as one (scalar FMAs made K = 4 cost 1.7x one row), and streams
 // its weights through a ring of U loads in flight that it refills as each MMA consumes one.
