@@ -198,51 +198,22 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
     for t in tokens:
         reps = 30 if t <= 4096 else 10
         ms = median_ms(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream), stream, reps, 3)
-        kn = layer.kernels
-        core = median_ms(gpu, lambda: kn.kda_chunk(stream, ws, state.recurrent, t), stream,
-                         reps, 3)
-        gemm = median_ms(gpu, lambda: _prefill_gemms(layer, ws, h, t, stream), stream, reps, 3)
-        steps = {name: median_ms(gpu, fn, stream, reps, 3)
-                 for name, fn in _prefill_steps(layer, ws, state, h, t, stream).items()}
+        steps = layer.prefill_steps(h, t, state, ws)
+
+        def run(names: list[str]) -> Callable[[], None]:
+            return lambda: [steps[n](stream) for n in names]
+
+        core = median_ms(gpu, run(["chunk_intra", "chunk_inter"]), stream, reps, 3)
+        gemm = median_ms(gpu, run([n for n in steps if n.endswith("_gemm")]), stream, reps, 3)
+        kernels = {n: median_ms(gpu, run([n]), stream, reps, 3)
+                   for n in steps if not n.endswith("_gemm")}
         out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
-                                 prefill_flops(cfg, t) / ms / 1e9, kernels_ms=steps))
+                                 prefill_flops(cfg, t) / ms / 1e9, kernels_ms=kernels))
     layer.weights.free(gpu)
     state.free()
     ws.free()
     gpu.free(h)
     return out
-
-
-def _prefill_gemms(layer: Glm5NextKdaLayer, ws: Glm5NextKdaWorkspace, h, t: int,
-                   stream: int) -> None:
-    """The GEMMs of one prefill (same shapes and buffers), to split its time."""
-    c, w, kn = layer.cfg, layer.weights, layer.kernels
-    proj = ws.ptr("proj")
-    kn.gemm_bf16(stream, h, c.hidden_size, w.w_in, proj, c.proj_width, t, c.proj_rows,
-                 c.hidden_size)
-    for wt, part in ((w.f_b, "f_a"), (w.g_b, "g_a")):
-        kn.gemm_bf16(stream, proj + c.proj_col(part) * BF16.itemsize, c.proj_width, wt, ws.g_raw, c.qkv, t,
-                     c.qkv, c.rank)
-    kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,
-                 c.hidden_size, c.qkv)
-
-
-def _prefill_steps(layer: Glm5NextKdaLayer, ws: Glm5NextKdaWorkspace, state: KdaSeqState, h,
-                   t: int, stream: int) -> dict[str, Callable[[], None]]:
-    """The non-GEMM launches of one prefill, each callable alone on the same buffers."""
-    c, w, kn = layer.cfg, layer.weights, layer.kernels
-    b_raw = ws.ptr("proj") + c.proj_col("b") * BF16.itemsize
-    return {
-        "gate_beta": lambda: kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.proj_width, w.a_log,
-                                              w.dt_bias, ws.gate, ws.beta, t, c.t_pad(t)),
-        "conv": lambda: kn.prefill_conv_qkv(stream, ws.ptr("proj"), state.conv, w.conv_w,
-                                            ws.qkv_proj, ws.qkv_parts, ws.conv_out, ws.q_f32,
-                                            ws.k_f32, ws.v_f32, t, 0.0),
-        "chunk_intra": lambda: kn.kda_chunk_intra(stream, ws, t),
-        "chunk_inter": lambda: kn.kda_chunk_inter(stream, ws, state.recurrent, t),
-        "rmsnorm": lambda: kn.gated_rmsnorm(stream, ws.core, ws.out_gate, w.o_norm,
-                                            ws.o_norm_out, t),
-    }
 
 
 # -- fla, measured in the same process where it is importable ----------------------------------

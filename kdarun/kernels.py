@@ -205,15 +205,10 @@ class Glm5NextKdaKernels:
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
 
-    def kda_chunk(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr, t: int) -> None:
-        """The chunked (WY) core over t tokens of ws.q_f32/k_f32/v_f32/gate/beta:
-        `kda_chunk_intra` then `kda_chunk_inter`; reads and writes back state [H, Dv, Dk]
-        fp32 and writes ws.core [t_pad, H, D]. Rows >= t are never read."""
-        self.kda_chunk_intra(stream, ws, t)
-        self.kda_chunk_inter(stream, ws, state, t)
-
     def kda_chunk_intra(self, stream: int, ws: "Glm5NextKdaWorkspace", t: int) -> None:
-        """Every chunk's WY factors, in parallel, into the workspace's private chunk_* buffers."""
+        """Every chunk's WY factors over t tokens of ws.q_f32/k_f32/v_f32/gate/beta, in
+        parallel, into the workspace's private chunk_* buffers (the chunked core's first half;
+        rows >= t are never read)."""
         c = self.cfg
         D, t_pad = c.head_dim, c.t_pad(t)
         H, ptr = c.num_heads, ws.ptr

@@ -141,18 +141,36 @@ class Glm5NextKdaLayer:
         self._ws_stage(gpu, stream, ws, "final_out", "dense_gemv_bf16", t)
 
     # -- prefill pieces --------------------------------------------------------------------
-    def _prefill_gates(self, gpu, t: int, t_pad: int, ws, stream) -> None:
+    def prefill_steps(self, hidden: DevicePtr, t: int, state: KdaSeqState,
+                      ws: Glm5NextKdaWorkspace, pad_fill: float = 0.0
+                      ) -> dict[str, Callable[[int], None]]:
+        """The launches of one prefill over t tokens, in order and by name, each a callable
+        that enqueues them on the stream it is given: `prefill_with_pad_fill` runs them (the
+        low-rank gates beside the conv) and the benchmark times them one by one. GEMM steps'
+        names end in `_gemm`; chunk_intra then chunk_inter are the chunked core."""
         c, w, kn = self.cfg, self.weights, self.kernels
-        f_a, g_a, b_raw = (ws.ptr("proj") + c.proj_col(p) * BF16.itemsize
-                           for p in ("f_a", "g_a", "b"))
-        kn.gemm_bf16(stream, f_a, c.proj_width, w.f_b, ws.g_raw, c.qkv, t, c.qkv, c.rank)
-        kn.gemm_bf16(stream, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv, t, c.qkv, c.rank)
-        self._ws_stage(gpu, stream, ws, "g_raw", "gemm_bf16", t)
-        self._ws_stage(gpu, stream, ws, "out_gate", "gemm_bf16", t)
-        kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.proj_width, w.a_log, w.dt_bias, ws.gate,
-                         ws.beta, t, t_pad)
-        self._ws_stage(gpu, stream, ws, "gate", "kda_gate_beta", t)
-        self._ws_stage(gpu, stream, ws, "beta", "kda_gate_beta", t)
+        proj = ws.ptr("proj")
+        f_a, g_a, b_raw = (proj + c.proj_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
+        return {
+            "proj_gemm": lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w.w_in, proj,
+                                                c.proj_width, t, c.proj_rows, c.hidden_size),
+            "f_b_gemm": lambda s: kn.gemm_bf16(s, f_a, c.proj_width, w.f_b, ws.g_raw, c.qkv, t,
+                                               c.qkv, c.rank),
+            "g_b_gemm": lambda s: kn.gemm_bf16(s, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv,
+                                               t, c.qkv, c.rank),
+            "gate_beta": lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.proj_width, w.a_log,
+                                                    w.dt_bias, ws.gate, ws.beta, t, c.t_pad(t)),
+            "conv": lambda s: kn.prefill_conv_qkv(s, proj, state.conv, w.conv_w, ws.qkv_proj,
+                                                  ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32,
+                                                  ws.v_f32, t, pad_fill),
+            "chunk_intra": lambda s: kn.kda_chunk_intra(s, ws, t),
+            "chunk_inter": lambda s: kn.kda_chunk_inter(s, ws, state.recurrent, t),
+            "rmsnorm": lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm,
+                                                  ws.o_norm_out, t),
+            "o_proj_gemm": lambda s: kn.gemm_bf16(s, ws.o_norm_out, c.qkv, w.o_proj,
+                                                  ws.final_out, c.hidden_size, t, c.hidden_size,
+                                                  c.qkv),
+        }
 
     # -- public forward paths --------------------------------------------------------------
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, state: KdaSeqState,
@@ -196,24 +214,28 @@ class Glm5NextKdaLayer:
         """`prefill` with the padded q/k/v tails primed to `pad_fill`. The chunk kernels
         guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
         ws.check_tokens(t, "prefill")
-        c, w, kn = self.cfg, self.weights, self.kernels
-        t_pad = c.t_pad(t)
-        kn.gemm_bf16(stream, hidden, c.hidden_size, w.w_in, ws.ptr("proj"), c.proj_width, t,
-                     c.proj_rows, c.hidden_size)
-        self._prefill_gates(gpu, t, t_pad, ws, kn.fork(stream))  # beside the conv
-        kn.prefill_conv_qkv(stream, ws.ptr("proj"), state.conv, w.conv_w, ws.qkv_proj,
-                            ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32, ws.v_f32, t, pad_fill)
+        steps, kn = self.prefill_steps(hidden, t, state, ws, pad_fill), self.kernels
+        steps["proj_gemm"](stream)
+        side = kn.fork(stream)  # the gate branch runs beside the conv
+        steps["f_b_gemm"](side)
+        steps["g_b_gemm"](side)
+        self._ws_stage(gpu, side, ws, "g_raw", "gemm_bf16", t)
+        self._ws_stage(gpu, side, ws, "out_gate", "gemm_bf16", t)
+        steps["gate_beta"](side)
+        self._ws_stage(gpu, side, ws, "gate", "kda_gate_beta", t)
+        self._ws_stage(gpu, side, ws, "beta", "kda_gate_beta", t)
+        steps["conv"](stream)
         for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
             self._ws_stage(gpu, stream, ws, name, "prefill_conv_qkv", t)
         self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
         kn.join(stream)
-        kn.kda_chunk(stream, ws, state.recurrent, t)
+        steps["chunk_intra"](stream)
+        steps["chunk_inter"](stream)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)
         self._state_stage(gpu, stream, state, "kda_chunk_inter", which=("recurrent",))
-        kn.gated_rmsnorm(stream, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, t)
+        steps["rmsnorm"](stream)
         self._ws_stage(gpu, stream, ws, "o_norm_out", "gated_rmsnorm", t)
-        kn.gemm_bf16(stream, ws.o_norm_out, c.qkv, w.o_proj, ws.final_out, c.hidden_size, t,
-                     c.hidden_size, c.qkv)
+        steps["o_proj_gemm"](stream)
         self._ws_stage(gpu, stream, ws, "final_out", "gemm_bf16", t)
 
 
