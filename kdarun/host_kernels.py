@@ -63,7 +63,7 @@ def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bia
                   lower_bound, bounded)
 
 
-# -- pack (prefill_conv_qkv and front_end_gemv pieces) ------------------------------------------------------------------------------
+# -- pack (prefill_conv_qkv and front_end_gemv pieces) ----------------------------------------
 def _pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
     P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
     gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
