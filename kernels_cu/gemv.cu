@@ -116,8 +116,8 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
     const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
     const int early = tiles - first;  // the f_a|g_a|b tiles, run first
     if (blockIdx.x < proj_blocks) {
-        const int i = gemv_tile_index(blockIdx.x, ks);
-        const int n0 = (i < early ? first + i : i - early) * TILE;
+        const int i = gemv_tile_index(blockIdx.x, ks);  // past the last tile: no rows (N)
+        const int n0 = i >= tiles ? N : (i < early ? first + i : i - early) * TILE;
         float out[4];
         if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
