@@ -7,6 +7,7 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +49,21 @@ def walk_smem_bytes(d: int, vs: int) -> int:
     W [C, VS] as split-word fragments; gl [D])."""
     return 4 * (2 * CHUNK * (d + 8) + CHUNK // 2 * (2 * d + 8) + CHUNK * (CHUNK + 8)
                 + CHUNK * (vs + 8) + (d + CHUNK) * vs + d)
+
+
+@functools.cache
+def _gemv_shares(rows: int, k: int, sm_count: int) -> int:
+    """Warps that share one GEMV tile's K, a power of two up to GEMV_WARPS that leaves each
+    at least two 32-wide k steps: enough that every SM has GEMV_WARPS warps' loads in
+    flight, and more while each warp still streams three rings of loads (more warps on a
+    tile put longer runs of each weight row in flight at once, which DRAM serves faster:
+    large's projection took 94 us with 1 share, 81 with 8). It depends on the shape alone,
+    so every row count sums in the same order; cached, as decode asks for it every call."""
+    tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
+    while ks < GEMV_WARPS and 2 * ks <= steps // 2 and (
+            tiles * ks < GEMV_WARPS * sm_count or steps // (2 * ks) >= 3 * GEMV_RING):
+        ks *= 2
+    return ks
 
 
 def _cfg1d(n: int) -> LaunchConfig:
@@ -92,19 +108,6 @@ class Glm5NextKdaKernels:
             raise KdaError(f"{name}: need k and ldx multiples of 8 with ldx >= k; "
                            f"got k={k} ldx={ldx}")
 
-    def _gemv_shares(self, rows: int, k: int) -> int:
-        """Warps that share one GEMV tile's K, a power of two up to GEMV_WARPS that leaves each
-        at least two 32-wide k steps: enough that every SM has GEMV_WARPS warps' loads in
-        flight, and more while each warp still streams three rings of loads (more warps on a
-        tile put longer runs of each weight row in flight at once, which DRAM serves faster:
-        large's projection took 94 us with 1 share, 81 with 8). It depends on the shape
-        alone, so every row count sums in the same order."""
-        tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
-        while ks < GEMV_WARPS and 2 * ks <= steps // 2 and (
-                tiles * ks < GEMV_WARPS * self.gpu.sm_count or steps // (2 * ks) >= 3 * GEMV_RING):
-            ks *= 2
-        return ks
-
     @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
@@ -115,7 +118,7 @@ class Glm5NextKdaKernels:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m <= 8 dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
-        ks = self._gemv_shares(n, k)
+        ks = _gemv_shares(n, k, self.gpu.sm_count)
         self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n, ks),
                      (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n), i32(ks)), stream)
 
@@ -130,8 +133,8 @@ class Glm5NextKdaKernels:
         orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        ks = self._gemv_shares(c.proj_rows, c.hidden_size)
-        ks_gate = self._gemv_shares(2 * c.qkv, c.rank)
+        ks = _gemv_shares(c.proj_rows, c.hidden_size, self.gpu.sm_count)
+        ks_gate = _gemv_shares(2 * c.qkv, c.rank, self.gpu.sm_count)
         proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
         blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
         bounded = c.gate_lower_bound is not None
