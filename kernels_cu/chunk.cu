@@ -212,10 +212,14 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         }
         // what the walk and the solve need elementwise: gl, qg and kd (as split words: qg in
         // pairs along d, kd in pairs along t, as the walk reads them), and k exp(G), the
-        // solve's right-hand side, parked in w_out until the solve overwrites it
+        // solve's right-hand side, parked in w_out until the solve overwrites it. These loops
+        // (and the scaled rows' below) give each warp whole rows and each lane the same two
+        // dimensions c2, c2+1 of every row (DH / 2 == 32 pairs): no index is divided or taken
+        // modulo inside them.
+        static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
+        const int c2 = 2 * lane;
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
-        for (int i = tid; i < CH * DH / 2; i += THREADS) {
-            const int r = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
+        for (int r = warp; r < CH; r += THREADS / 32) {
             const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
             const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
@@ -225,14 +229,15 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             *reinterpret_cast<float2*>(w_out + o) = make_float2(kk.x * e0, kk.y * e1);
         }
         // kd rows 2p and 2p+1 hold, for every d, the pair (kd[2p][d], kd[2p+1][d]): the
-        // first D/2 dimensions' words in row 2p, the rest in row 2p+1
-        for (int i = tid; i < CH / 2 * DH; i += THREADS) {
-            const int pr = i / DH, d = i % DH, dd = d0 + d, r = 2 * pr;
-            const float GL = Gs[(CH - 1) * P + d];
+        // first D/2 dimensions' words in row 2p, the rest in row 2p+1; a thread keeps one
+        // dimension d and takes row pairs in turn
+        const int d = tid % DH, dd = d0 + d;
+        const float GL = Gs[(CH - 1) * P + d];
+        unsigned* kd_col = kd_out + row0 + (dd / (D / 2)) * rstride + 2 * (dd % (D / 2));
+        for (int r = 2 * (tid / DH); r < CH; r += 2 * (THREADS / DH)) {
             const float k0 = Ks[r * P + d] * __expf(GL - Gs[r * P + d]);
             const float k1 = Ks[(r + 1) * P + d] * __expf(GL - Gs[(r + 1) * P + d]);
-            *reinterpret_cast<uint2*>(kd_out + row0 + (r + dd / (D / 2)) * rstride + 2 * (dd % (D / 2))) =
-                split_pair(k0, k1);
+            *reinterpret_cast<uint2*>(kd_col + r * rstride) = split_pair(k0, k1);
         }
 
         // A block row of 16 at a time: rows r.. of A and Aqk against every row up to r + 15,
@@ -248,11 +253,10 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);
             const int ncols = by_pairs ? r : r + SB;  // columns the products cover
             unsigned* Ew = reinterpret_cast<unsigned*>(Es);  // split words, pairs along d
-            for (int i = tid; i < (ncols + 2 * SB) * DH / 2; i += THREADS) {
-                const int row = i / (DH / 2), c2 = (i % (DH / 2)) * 2;
-                const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
+            const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
+            for (int row = warp; row < ncols + 2 * SB; row += THREADS / 32) {
                 const bool col = row < ncols;  // k_s exp(G_r - G_s), else k_t or q_t exp(G_t - G_r)
-                const int src = col ? row : r + (row - ncols) % SB;
+                const int src = col ? row : r + (row - ncols) % SB;  // uniform in the warp
                 const float2 x = *reinterpret_cast<const float2*>(
                     (col || row - ncols < SB ? Ks : Qs) + src * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + src * P + c2);
