@@ -55,13 +55,15 @@ def walk_smem_bytes(d: int, vs: int) -> int:
 def _gemv_shares(rows: int, k: int, sm_count: int) -> int:
     """Warps that share one GEMV tile's K, a power of two up to GEMV_WARPS that leaves each
     at least two 32-wide k steps: enough that every SM has GEMV_WARPS warps' loads in
-    flight, and more while each warp still streams three rings of loads (more warps on a
-    tile put longer runs of each weight row in flight at once, which DRAM serves faster:
-    large's projection took 94 us with 1 share, 81 with 8). It depends on the shape alone,
-    so every row count sums in the same order; cached, as decode asks for it every call."""
+    flight, and more while each warp still streams two rings of loads (more warps on a tile
+    put longer runs of each weight row in flight at once, which DRAM serves faster: large's
+    projection took 94 us with 1 share, 81 with 8, and kimi-linear-48b's front end 22.9,
+    21.3, 20.1 and 24.2 us with 1, 2, 4 and 8, where 8 leaves a warp one ring). It depends
+    on the shape alone, so every row count sums in the same order; cached, as decode asks
+    for it every call."""
     tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
     while ks < GEMV_WARPS and 2 * ks <= steps // 2 and (
-            tiles * ks < GEMV_WARPS * sm_count or steps // (2 * ks) >= 3 * GEMV_RING):
+            tiles * ks < GEMV_WARPS * sm_count or steps // (2 * ks) >= 2 * GEMV_RING):
         ks *= 2
     return ks
 

@@ -19,17 +19,23 @@ __device__ __forceinline__ int gemv_tile_index(int block, int ks) {
     return block * (WARPS / ks) + (threadIdx.x >> 5) / ks;
 }
 
+struct NoWait {
+    __device__ void operator()() const {}
+};
+
 // W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile; true in the warp that then holds the sums
 // in out: rows n0+g and n0+g+8 at token columns 2t and 2t+1 (lane = 4g + t). Every warp of the
 // block must call it (it synchronises the block). A k step covers 32 dimensions: lane t loads
 // 16 bytes at k0 + 8t of rows g and g+8 and of token row g, whose halves feed two MMAs. That
 // permutes k identically in W and x, which a dot product allows, and keeps every weight load a
 // whole 16-byte vector. Share j of ks takes steps j, j+ks, ... Rows past N read row N-1 and are
-// never stored. COHERENT reads x through L2 only: x that other blocks of the launch wrote.
-template <bool COHERENT = false>
+// never stored. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
+// ready() runs in every thread after the first U steps' weight loads are issued and before any
+// x is read, so a block whose x is still being written waits with its weights in flight.
+template <bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
-                                          int ks, float out[4]) {
+                                          int ks, float out[4], Ready ready = Ready()) {
     __shared__ float4 part[WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + 31) / 32, K8 = K / 8;
@@ -39,17 +45,24 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     const uint4* wb = reinterpret_cast<const uint4*>(W + (u64)min(n0 + g + 8, last) * K) + t;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)min(g, M - 1) * ldx) + t;
     uint4 va[U], vb[U], vx[U];
-    auto load = [&](int j, int u) {  // step j of this warp into ring slot u (zeros past the end)
+    // step j of this warp into ring slot u (zeros past the end): its weights, its x, or both
+    auto load = [&](int j, int u, bool weights, bool xs) {
         const int i = 4 * (share + ks * j);  // this lane's vector: i + t
-        va[u] = vb[u] = vx[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (weights) va[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (xs) vx[u] = make_uint4(0u, 0u, 0u, 0u);
         if (j < n && i + t < K8) {
-            va[u] = ld_stream(wa + i);
-            vb[u] = ld_stream(wb + i);
-            if (g < M) vx[u] = COHERENT ? __ldcg(xr + i) : __ldg(xr + i);
+            if (weights) {
+                va[u] = ld_stream(wa + i);
+                vb[u] = ld_stream(wb + i);
+            }
+            if (xs && g < M) vx[u] = COHERENT ? __ldcg(xr + i) : __ldg(xr + i);
         }
     };
 #pragma unroll
-    for (int u = 0; u < U; ++u) load(u, u);
+    for (int u = 0; u < U; ++u) load(u, u, true, false);
+    ready();
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(u, u, false, true);
     float c[2][4] = {};  // even and odd slots: two shorter chains of dependent MMAs
     for (int j0 = 0; j0 < n; j0 += U) {
 #pragma unroll
@@ -58,7 +71,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
             const unsigned a1[4] = {va[u].z, vb[u].z, va[u].w, vb[u].w}, b1[2] = {vx[u].z, vx[u].w};
             mma_bf16(c[u & 1], a0, b0);
             mma_bf16(c[u & 1], a1, b1);
-            load(j0 + u + U, u);
+            load(j0 + u + U, u, true, true);
         }
     }
     part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
@@ -86,7 +99,7 @@ __device__ __forceinline__ void tile_outputs(const float out[4], int n0, int N, 
 }
 
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
 dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
                 int N, int K, int M, int ldx, int ldy, int ks) {
     const int n0 = gemv_tile_index(blockIdx.x, ks) * TILE;
@@ -101,9 +114,10 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 // beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
 // first (the lowest blocks) and count themselves done in sync[0]; the gate blocks come last
 // and wait for that count, so none waits on a block that might not have started. The last gate
-// block to finish (sync[1] counts them) zeroes both counters for the next call. The gates thus
-// cost no launch of their own: they run in the projection's last wave. (Starting them right
-// after the f_a|g_a|b tiles measured slower: their waiting blocks held the SMs.)
+// block to finish (sync[1] counts them) zeroes both counters for the next call. A gate block
+// waits with its first f_b / g_b weights in flight. The gates thus cost no launch of their
+// own: they run in the projection's last wave. (Starting them right after the f_a|g_a|b tiles
+// measured slower: their waiting blocks held the SMs.)
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
                bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj,
@@ -135,14 +149,17 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
         }
         return;
     }
-    if (threadIdx.x == 0) {
-        while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
-        __threadfence();
-    }
-    __syncthreads();
+    auto early_done = [&]() {
+        if (threadIdx.x == 0) {
+            while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
+            __threadfence();
+        }
+        __syncthreads();
+    };
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = proj + 3 * qkv;
     if (gb == gate_blocks - 1) {
+        early_done();
         for (int i = threadIdx.x; i < M * H; i += blockDim.x)
             beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldp + 2 * R + i % H)));
     } else {
@@ -151,7 +168,7 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
         float out[4];
         if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldp, c0, ks_gate,
-                            out))
+                            out, early_done))  // f_b / g_b load while the tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 const bf16 r = f2bf(v);
                 if (is_f) {

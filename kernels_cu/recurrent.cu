@@ -71,7 +71,18 @@ __device__ __forceinline__ void decode_rows(
             wt[j] = conv_w[(u64)j * conv_dim + c];
         }
     }
+    // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
+    // finish needs them), warp `row` for token row `row`, lane dims lane + 32 e.
+    float og[E], nw[E];
+    if (warp < nrows)
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            og[e] = bf2f(out_gate[(u64)warp * qkv + h * D + lane + 32 * e]);
+            nw[e] = o_norm_w[lane + 32 * e];
+        }
     for (int row = 0; row < nrows; ++row) {
+        // beta is needed only after the conv and its two barriers: its load goes first
+        const float b = warp < RW ? beta[(u64)row * H + h] : 0.0f;
         float y = 0.0f;
         if (p < 2 || mine_v) {
             const bf16 xin = x[(u64)row * conv_dim + c];
@@ -106,7 +117,6 @@ __device__ __forceinline__ void decode_rows(
         }
         __syncthreads();
         if (warp < RW) {
-            const float b = beta[(u64)row * H + h];
             float gv[E], kv[E], qv[E];  // this lane's dimensions, the same for all its rows
             ldv(gv, gx + lane * E);
             ldv(kv, ks + lane * E);
@@ -164,9 +174,8 @@ __device__ __forceinline__ void decode_rows(
             const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
-                const int dd = lane + 32 * e;
-                const u64 o = (u64)row * qkv + h * D + dd;
-                o_norm_out[o] = f2bf(v[e] * inv * o_norm_w[dd] * sigmoidf_(bf2f(out_gate[o])));
+                o_norm_out[(u64)row * qkv + h * D + lane + 32 * e] =
+                    f2bf(v[e] * inv * nw[e] * sigmoidf_(og[e]));
             }
         }
         if (p < 2)
