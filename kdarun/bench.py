@@ -141,6 +141,7 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     gbps = nbytes / us / 1e3
     for layer in layers:
         layer.weights.free(gpu)
+    layers[0].kernels.close()
     for st in states:
         st.free()
     ws.free()
@@ -210,6 +211,7 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                                  prefill_flops(cfg, t) / ms / 1e9, kernels_ms=kernels))
     layer.weights.free(gpu)
+    layer.kernels.close()
     state.free()
     ws.free()
     gpu.free(h)

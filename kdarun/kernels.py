@@ -79,14 +79,23 @@ class Glm5NextKdaKernels:
         self.gpu = gpu
         self.cfg = cfg
         self.modules = {fam: gpu.load_module(fam) for fam in FAMILIES}
-        self._side = gpu.create_stream()
+        self._side: int | None = gpu.create_stream()
         self._fork_event, self._join_event = gpu.create_event(), gpu.create_event()
+
+    def close(self) -> None:
+        """Release the side stream `fork` hands out; prefill cannot run on these kernels
+        after this. Idempotent."""
+        if self._side is not None:
+            self.gpu.destroy_stream(self._side)
+            self._side = None
 
     def fork(self, stream: int) -> int:
         """A second stream that starts after everything enqueued on `stream` so far, for
         work that does not depend on what `stream` runs next; `join(stream)` merges it back.
         Prefill runs its gate branch there, beside the conv (both are memory-bound and
         neither fills the GPU's bandwidth alone)."""
+        if self._side is None:
+            raise KdaError("fork: these kernels were closed (Glm5NextKdaKernels.close)")
         self.gpu.record_event(self._fork_event, stream)
         self.gpu.stream_wait_event(self._side, self._fork_event)
         return self._side

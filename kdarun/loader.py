@@ -26,6 +26,13 @@ class KdaStack:
     layers: dict[int, Glm5NextKdaLayer]
     checkpoint: Checkpoint
 
+    def free(self, gpu: GpuBackend) -> None:
+        """Release every layer's weights, the workspace and the kernels' side stream."""
+        for layer in self.layers.values():
+            layer.weights.free(gpu)
+        self.workspace.free()
+        self.kernels.close()
+
     def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
         if layer_idx not in self.layers:
             raise KdaError(f"layer {layer_idx} is not loaded; loaded KDA layers (0-based): "

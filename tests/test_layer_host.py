@@ -148,3 +148,17 @@ def test_bad_token_counts(env):
         env.layer.decode_k(env.gpu, h, 9, state, env.ws, [], 0)
     with pytest.raises(KdaError, match="pass k-1 = 3 snapshots or none, got 1"):
         env.layer.decode_k(env.gpu, h, 4, state, env.ws, [(state.recurrent, state.conv)], 0)
+
+
+def test_stack_free_releases_everything(ckpts):
+    from kdarun import open_backend
+    from kdarun.loader import load_stack
+    gpu = open_backend("host")  # its own backend: the allocations checked are this stack's
+    stack = load_stack(gpu, ckpts["softplus"], 16, [1])
+    weights = stack.layer(1).weights
+    stack.free(gpu)
+    with pytest.raises(KdaError, match="not the start of a live allocation"):
+        gpu.free(weights.w_in)
+    with pytest.raises(KdaError, match="closed"):
+        stack.kernels.fork(0)
+    stack.kernels.close()  # a second close is harmless
