@@ -111,6 +111,12 @@ class Glm5NextKdaKernels:
                 raise KdaError(f"{name}: null device pointer argument")
         self.gpu.launch(self.modules[family], name, cfg, args, stream)
 
+    def _gate_form(self) -> tuple[np.float32, np.int32]:
+        """The gate kernels' (lower_bound, bounded) arguments: the softplus form passes
+        (0, 0)."""
+        lb = self.cfg.gate_lower_bound
+        return f32(0.0 if lb is None else lb), i32(lb is not None)
+
     # -- projections ---------------------------------------------------------------------
     def _gemv_check(self, name: str, k: int, m: int, ldx: int) -> None:
         if not 1 <= m <= MAX_DECODE_ROWS:
@@ -148,14 +154,12 @@ class Glm5NextKdaKernels:
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, self.gpu.sm_count)
         proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
         blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
-        bounded = c.gate_lower_bound is not None
         self._launch("gemv", "front_end_gemv",
                      LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1)),
                      (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
-                      f32(c.gate_lower_bound if bounded else 0.0), i32(bounded), i32(ks),
-                      i32(ks_gate), i32(proj_blocks)), stream)
+                      *self._gate_form(), i32(ks), i32(ks_gate), i32(proj_blocks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:
@@ -171,11 +175,9 @@ class Glm5NextKdaKernels:
         """g_raw [t, qkv] bf16 -> gate [t_pad, H, D] fp32; b_raw (row stride ldb) ->
         beta [t_pad, H]; rows >= t written as 0."""
         c = self.cfg
-        bounded = c.gate_lower_bound is not None
         self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv // 8),
                      (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, i32(t), i32(t_pad),
-                      i32(c.num_heads), i32(c.head_dim),
-                      f32(c.gate_lower_bound if bounded else 0.0), i32(bounded)), stream)
+                      i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
 
     # -- conv ------------------------------------------------------------------------------
     def prefill_conv_qkv(self, stream: int, proj: DevicePtr, conv_state: DevicePtr,
