@@ -28,6 +28,7 @@ THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS 
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
+CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
 
@@ -190,7 +191,8 @@ class Glm5NextKdaKernels:
         to pad_fill; then the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
         c = self.cfg
         t_pad = c.t_pad(t)
-        self._launch("conv", "prefill_conv_qkv", _cfg1d(t_pad * c.conv_dim // 8),
+        threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
+        self._launch("conv", "prefill_conv_qkv", _cfg1d(threads),
                      (proj, i32(c.proj_width), conv_state, conv_w, qkv_proj, qkv_parts, conv_out,
                       q, k, v, i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim),
                       i32(c.conv_kernel), f32(pad_fill)), stream)

@@ -5,13 +5,23 @@
 
 #define MAX_W 8  // the config allows conv widths up to 8
 
-// One thread per 8 channels (16 bytes) of a (token, q/k/v head vector), reading q|k|v straight
-// from the packed projection proj [T, ldp]; a head vector's D/8 threads are adjacent lanes, so
-// the L2 norm reduces with shuffles inside the group. It writes every buffer the stages expose
-// in one pass: qkv_proj and qkv_parts (the inputs), conv_out (conv + SiLU rounded to bf16,
-// then for q/k the L2 norm of those bf16 values rounded again) and its fp32 widening
-// q/k/v_f32, whose rows in [T, T_pad) get pad_fill so the chunk kernels' guard past T is
-// exercised.
+#define CONV_TOKENS 16  // consecutive tokens a thread walks
+
+// One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,
+// reading q|k|v straight from the packed projection proj [T, ldp]. It keeps the last W-1 input
+// rows in registers, so each input row is read once (plus W-1 rows of warm-up a run) instead
+// of once per tap (the taps of other tokens came from L2). A head
+// vector's D/8 threads are adjacent lanes, so the L2 norm reduces with shuffles inside the
+// group. It writes every buffer the stages expose in one pass: qkv_proj and qkv_parts (the
+// inputs), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those bf16
+// values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill
+// so the chunk kernels' guard past T is exercised.
+__device__ __forceinline__ uint4 conv_input(const bf16* proj, int ldp, const bf16* state,
+                                            int conv_dim, int W, int r, int c) {
+    return r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
+                 : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,
                  const float* __restrict__ w, bf16* __restrict__ qkv_proj,
@@ -23,55 +33,70 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
     const long long item = gid / group;
     const int part = (int)(gid % group);
     const int nvec = 3 * H, qkv = H * D, conv_dim = 3 * qkv;
-    if (item >= (long long)T_pad * nvec) return;  // whole groups leave together
-    const int t = (int)(item / nvec), vec = (int)(item % nvec), p = vec / H;
-    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (u64)t * qkv + (vec % H) * D + 8 * part;
-    if (t >= T) {
-        const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
-        reinterpret_cast<float4*>(dst)[0] = f;
-        reinterpret_cast<float4*>(dst)[1] = f;
-        return;
-    }
-    const int c = vec * D + 8 * part;
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    uint4 xin;
+    const int runs = (T_pad + CONV_TOKENS - 1) / CONV_TOKENS;
+    if (item >= (long long)runs * nvec) return;  // whole groups leave together
+    const int t0 = (int)(item / nvec) * CONV_TOKENS, vec = (int)(item % nvec), p = vec / H;
+    const int t1 = min(t0 + CONV_TOKENS, T_pad), c = vec * D + 8 * part;
+    // The norm's shuffles name this group's lanes only: a warp may hold two groups of different
+    // runs, and a group in the padded tail skips the shuffles without leaving the loop.
+    const unsigned gmask = (0xffffffffu >> (32 - group)) << ((threadIdx.x & 31) & ~(group - 1));
+    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (vec % H) * D + 8 * part;
+    // Taps sit right-aligned in MAX_W slots (tap j of W in slot MAX_W - W + j), so every array
+    // index is a compile-time constant and the window stays in registers; slots before the
+    // first tap are skipped, never multiplied. (The weights held in registers too took 138
+    // registers a thread: they are re-read from L1 each token instead.)
+    const int s0 = MAX_W - W;
+    uint4 win[MAX_W - 1];  // slot k: input row t - (MAX_W - 1) + k
 #pragma unroll
-    for (int j = 0; j < MAX_W; ++j) {  // unrolled so every tap's load is in flight at once
-        if (j >= W) break;
-        const int r = t + j - (W - 1);
-        xin = r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
-                    : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
-        float x[8];
-        unpack8(xin, x);
-        const float4 w0 = *reinterpret_cast<const float4*>(w + (u64)j * conv_dim + c);
-        const float4 w1 = *reinterpret_cast<const float4*>(w + (u64)j * conv_dim + c + 4);
-        const float wj[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    for (int k = 0; k < MAX_W - 1; ++k)
+        if (k >= s0 && t0 < T) win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (MAX_W - 1) + k, c);
+    for (int t = t0; t < t1; ++t) {
+        if (t >= T) {  // the whole group: t is shared
+            const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
+            reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = f;
+            reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = f;
+            continue;
+        }
+        const uint4 xin = conv_input(proj, ldp, state, conv_dim, W, t, c);
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
-    }
-    // xin is now the current row (the last tap)
-    *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
-    *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
-    float y[8], ss = 0.0f;
+        for (int k = 0; k < MAX_W; ++k) {  // taps oldest first, as the one-token form sums them
+            if (k < s0) continue;
+            float x[8];
+            unpack8(k == MAX_W - 1 ? xin : win[k < MAX_W - 1 ? k : 0], x);
+            const float* wk = w + (u64)(k - s0) * conv_dim + c;  // L1-resident across the run
+            const float4 w0 = __ldg(reinterpret_cast<const float4*>(wk));
+            const float4 w1 = __ldg(reinterpret_cast<const float4*>(wk + 4));
+            const float wj[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        y[e] = bf2f(f2bf(acc[e] * sigmoidf_(acc[e])));
-        ss = __fmaf_rn(y[e], y[e], ss);
-    }
-    for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = p < 2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
-    bf16 o[8];
-    float f[8];
+            for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
+        }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        o[e] = p < 2 ? f2bf(y[e] * inv) : f2bf(y[e]);
-        f[e] = bf2f(o[e]);
+        for (int k = 0; k < MAX_W - 2; ++k) win[k] = win[k + 1];
+        win[MAX_W - 2] = xin;
+        *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
+        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
+        float y[8], ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            y[e] = bf2f(f2bf(acc[e] * sigmoidf_(acc[e])));
+            ss = __fmaf_rn(y[e], y[e], ss);
+        }
+        for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(gmask, ss, o);
+        const float inv = p < 2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;
+        bf16 o[8];
+        float f[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            o[e] = p < 2 ? f2bf(y[e] * inv) : f2bf(y[e]);
+            f[e] = bf2f(o[e]);
+        }
+        *reinterpret_cast<uint4*>(conv_out + (u64)t * conv_dim + c) =
+            make_uint4(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16,
+                       o[4] | (unsigned)o[5] << 16, o[6] | (unsigned)o[7] << 16);
+        reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = make_float4(f[0], f[1], f[2], f[3]);
+        reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
-    *reinterpret_cast<uint4*>(conv_out + (u64)t * conv_dim + c) =
-        make_uint4(o[0] | (unsigned)o[1] << 16, o[2] | (unsigned)o[3] << 16,
-                   o[4] | (unsigned)o[5] << 16, o[6] | (unsigned)o[7] << 16);
-    reinterpret_cast<float4*>(dst)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
 // After prefill_conv_qkv: the state becomes the last W-1 rows of (state ++ x). New row j

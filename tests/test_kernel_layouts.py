@@ -67,6 +67,11 @@ def test_decode_split_matches():
     assert int(re.search(r"^#define SPLIT (\d+)", src, re.M).group(1)) == kernels.DECODE_SPLIT
 
 
+def test_conv_tokens_match():
+    src = (kernels_dir() / "conv.cu").read_text()
+    assert int(re.search(r"^#define CONV_TOKENS (\d+)", src, re.M).group(1)) == kernels.CONV_TOKENS
+
+
 def test_gemv_constants_match():
     src = (kernels_dir() / "gemv.cu").read_text()
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
