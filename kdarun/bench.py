@@ -136,7 +136,7 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     else:
         fn = step
     us = median_ms(gpu, fn, stream, reps) * 1e3 / DECODE_LAYERS
-    kernels = _decode_kernel_times(gpu, layers[0], states[0], ws, h, k, stream)
+    kernels = _decode_kernel_times(gpu, layers, states, ws, h, k, stream)
     nbytes = decode_bytes(cfg, layers[0].weights, k)
     gbps = nbytes / us / 1e3
     for layer in layers:
@@ -150,21 +150,26 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
                         gbps / ceil.copy_gbps, kernels_us=kernels)
 
 
-def _decode_kernel_times(gpu, layer: Glm5NextKdaLayer, st: KdaSeqState, ws, h, k: int,
-                         stream: int, repeat: int = 20) -> dict[str, float]:
-    """Microseconds of each launch of one decode(_k) call: `repeat` back-to-back launches of
-    it captured in a graph and replayed, so host launch latency stays out of the figure."""
-    c, w, kn = layer.cfg, layer.weights, layer.kernels
-    calls = {
-        "front_end_gemv": lambda: layer.front_end(gpu, h, k, ws, stream),
-        "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
-        "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
-                                                         ws.final_out, c.hidden_size, c.qkv, k),
-    }
+def _decode_kernel_times(gpu, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState], ws,
+                         h, k: int, stream: int, repeat: int = 5) -> dict[str, float]:
+    """Microseconds of each launch of one decode(_k) call: the launch for every layer of the
+    stack in turn, `repeat` rounds captured in a graph and replayed, so host launch latency
+    stays out of the figure and each launch reads its layer's weights and state from DRAM,
+    as in a real decode (one layer again and again would find them in L2)."""
+    def calls(layer: Glm5NextKdaLayer, st: KdaSeqState) -> dict:
+        c, w, kn = layer.cfg, layer.weights, layer.kernels
+        return {
+            "front_end_gemv": lambda: layer.front_end(gpu, h, k, ws, stream),
+            "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
+            "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
+                                                             ws.final_out, c.hidden_size, c.qkv, k),
+        }
+    per_layer = [calls(layer, st) for layer, st in zip(layers, states)]
     out = {}
-    for name, fn in calls.items():
-        graph = gpu.capture(lambda: [fn() for _ in range(repeat)], stream)
-        out[name] = median_ms(gpu, lambda: graph.replay(stream), stream, 20) * 1e3 / repeat
+    for name in per_layer[0]:
+        fns = [c[name] for c in per_layer] * repeat
+        graph = gpu.capture(lambda: [fn() for fn in fns], stream)
+        out[name] = median_ms(gpu, lambda: graph.replay(stream), stream, 20) * 1e3 / len(fns)
     return out
 
 

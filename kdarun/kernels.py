@@ -23,7 +23,9 @@ FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 # host program from those sources and checks every one of them against these.
 GEMV_TILE = 16  # output rows a GEMV block (TILE in gemv.cu)
 GEMV_WARPS = 8  # warps a GEMV block, each a share of K (WARPS in gemv.cu)
-GEMV_RING = 8  # 32-wide k steps a GEMV warp keeps in flight (U in gemv.cu)
+GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes (SK in gemv.cu)
+GEMV_STAGES = 2  # stages a GEMV warp keeps in flight (STAGES in gemv.cu)
+GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__ in gemv.cu)
 THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
 WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
@@ -52,19 +54,23 @@ def walk_smem_bytes(d: int, vs: int) -> int:
                 + CHUNK * (vs + 8) + (d + CHUNK) * vs + d)
 
 
+def gemv_smem_bytes() -> int:
+    """Dynamic shared memory of a GEMV block: each warp's ring of GEMV_STAGES stages of
+    GEMV_TILE rows x GEMV_STAGE_K bf16."""
+    return GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2
+
+
 @functools.cache
 def _gemv_shares(rows: int, k: int, sm_count: int) -> int:
-    """Warps that share one GEMV tile's K, a power of two up to GEMV_WARPS that leaves each
-    at least two 32-wide k steps: enough that every SM has GEMV_WARPS warps' loads in
-    flight, and more while each warp still streams two rings of loads (more warps on a tile
-    put longer runs of each weight row in flight at once, which DRAM serves faster: large's
-    projection took 94 us with 1 share, 81 with 8, and kimi-linear-48b's front end 22.9,
-    21.3, 20.1 and 24.2 us with 1, 2, 4 and 8, where 8 leaves a warp one ring). It depends
-    on the shape alone, so every row count sums in the same order; cached, as decode asks
-    for it every call."""
-    tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, 32), 1
-    while ks < GEMV_WARPS and 2 * ks <= steps // 2 and (
-            tiles * ks < GEMV_WARPS * sm_count or steps // (2 * ks) >= 2 * GEMV_RING):
+    """Warps that share one GEMV tile's K: the largest power of two up to GEMV_WARPS that
+    leaves each warp a stage and keeps the launch's warps within what the SMs hold at once
+    (a second partial wave of blocks streams at part speed). On an H200 this picks 4 for
+    kimi-linear-48b's front end (786 tiles; 1, 2, 4, 8 measured 18.6, 16.4, 16.2, 18.1 us)
+    and 8 for its o_proj (144 tiles; 4: 9.7, 8: 8.2 us). It depends on the shape alone, so
+    every row count sums in the same order; cached, as decode asks for it every call."""
+    tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, GEMV_STAGE_K), 1
+    resident = GEMV_BLOCKS_PER_SM * GEMV_WARPS * sm_count
+    while 2 * ks <= min(GEMV_WARPS, steps) and tiles * 2 * ks <= resident:
         ks *= 2
     return ks
 
@@ -129,7 +135,7 @@ class Glm5NextKdaKernels:
     @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
-        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
+        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), gemv_smem_bytes())
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -156,7 +162,7 @@ class Glm5NextKdaKernels:
         proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
         blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
         self._launch("gemv", "front_end_gemv",
-                     LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1)),
+                     LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), gemv_smem_bytes()),
                      (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),

@@ -123,14 +123,6 @@ __device__ __forceinline__ void tiles_product(float (&acc)[NT][4], float (&err)[
     }
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // ---- intra: every (chunk, head) in parallel -----------------------------------------------------
 // A[t][s] and Aqk[t][s] need exp(G_t - G_s) per dimension. With r the first row of t's 16-row
 // block it factors as exp(G_t - G_r) exp(G_r - G_s), so a block row of A and Aqk is a product

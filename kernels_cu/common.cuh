@@ -50,3 +50,13 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const 
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// Asynchronous 16-byte copies global -> shared through L2 only; `bytes` < 16 copies that many
+// and zero-fills the rest (0: a pure zero fill, src is not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned bytes = 16) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }

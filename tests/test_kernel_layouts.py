@@ -77,5 +77,8 @@ def test_gemv_constants_match():
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731
     assert define("WARPS") == kernels.GEMV_WARPS
     assert define("TILE") == kernels.GEMV_TILE
-    assert define("U") == kernels.GEMV_RING
+    assert define("SK") == kernels.GEMV_STAGE_K
+    assert define("STAGES") == kernels.GEMV_STAGES
+    bounds = re.findall(r"__launch_bounds__\(WARPS \* 32, (\d+)\)", src)
+    assert bounds and {int(b) for b in bounds} == {kernels.GEMV_BLOCKS_PER_SM}
     assert define("MAX_ROWS") == MAX_DECODE_ROWS

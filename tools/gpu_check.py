@@ -83,7 +83,7 @@ def main() -> int:
                              f"{k_ratio}{vs}"))
                 print(rows[-1], flush=True)
                 if graph:
-                    print("  each launch (graph of 20), us: " + ", ".join(
+                    print("  each launch (every layer in turn, graph-replayed), us: " + ", ".join(
                         f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
             if args.only == "decode":
                 continue
