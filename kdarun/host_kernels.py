@@ -51,8 +51,9 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
 
 def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                    out_gate, gate, beta, sync, N, K, M, ldp, H, D, R, lower_bound, bounded, ks,
-                   ks_gate, proj_blocks):
-    # sync, ks, ks_gate, proj_blocks: how the CUDA blocks share the work; one host pass needs none
+                   ks_early, ks_gate, early_blocks, proj_blocks):
+    # sync and the shares and block counts: how the CUDA blocks share the work; one host pass
+    # needs none
     qkv = H * D
     dense_gemv_bf16(gpu, w, x, proj, N, K, M, K, ldp)
     _pack_qkv(gpu, proj, qkv_parts, qkv_proj, M, qkv, ldp)

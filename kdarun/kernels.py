@@ -61,16 +61,20 @@ def gemv_smem_bytes() -> int:
 
 
 @functools.cache
-def _gemv_shares(rows: int, k: int, sm_count: int) -> int:
+def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: int = 1) -> int:
     """Warps that share one GEMV tile's K: the largest power of two up to GEMV_WARPS that
-    leaves each warp a stage and keeps the launch's warps within what the SMs hold at once
-    (a second partial wave of blocks streams at part speed). On an H200 this picks 4 for
-    kimi-linear-48b's front end (786 tiles; 1, 2, 4, 8 measured 18.6, 16.4, 16.2, 18.1 us)
-    and 8 for its o_proj (144 tiles; 4: 9.7, 8: 8.2 us). It depends on the shape alone, so
-    every row count sums in the same order; cached, as decode asks for it every call."""
-    tiles, steps, ks = _blocks(rows, GEMV_TILE), _blocks(k, GEMV_STAGE_K), 1
-    resident = GEMV_BLOCKS_PER_SM * GEMV_WARPS * sm_count
-    while 2 * ks <= min(GEMV_WARPS, steps) and tiles * 2 * ks <= resident:
+    leaves each warp a stage and keeps the launch's warps, with `reserved` others of the
+    same launch, within what the SMs hold at once (a second partial wave of blocks streams
+    at part speed), but no fewer than `at_least` where the stages allow. On an H200 this
+    picks 8 for kimi-linear-48b's o_proj (144 tiles; 4 and 8 shares measured 9.7 and 8.2 us).
+    It depends on the shape alone, so every row count sums in the same order; cached, as
+    decode asks for it every call."""
+    tiles, steps = _blocks(rows, GEMV_TILE), _blocks(k, GEMV_STAGE_K)
+    cap = GEMV_WARPS
+    while cap > steps:
+        cap //= 2
+    ks, resident = min(at_least, cap), GEMV_BLOCKS_PER_SM * GEMV_WARPS * sm_count - reserved
+    while 2 * ks <= cap and tiles * 2 * ks <= resident:
         ks *= 2
     return ks
 
@@ -157,16 +161,25 @@ class Glm5NextKdaKernels:
         orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        ks = _gemv_shares(c.proj_rows, c.hidden_size, self.gpu.sm_count)
+        early_rows = c.proj_rows - 3 * c.qkv  # f_a|g_a|b: few tiles, so every share they can use
+        ks_early = _gemv_shares(early_rows, c.hidden_size, self.gpu.sm_count)
+        early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, self.gpu.sm_count)
-        proj_blocks = self._gemv_cfg(c.proj_rows, ks).grid[0]
-        blocks = proj_blocks + self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        # q|k|v: within one wave with the rest where that leaves 2 shares (kimi-linear-48b's
+        # front end 18.2 us, 20.8 with 4 shares and the gates in a second wave), else 2 (large:
+        # 1 share 81.2 us, 2 shares and the gates in a second wave 78.2)
+        ks = _gemv_shares(3 * c.qkv, c.hidden_size, self.gpu.sm_count,
+                          (early_blocks + gate_blocks) * GEMV_WARPS, at_least=2)
+        proj_blocks = early_blocks + self._gemv_cfg(3 * c.qkv, ks).grid[0]
         self._launch("gemv", "front_end_gemv",
-                     LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), gemv_smem_bytes()),
+                     LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1),
+                                  gemv_smem_bytes()),
                      (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
-                      *self._gate_form(), i32(ks), i32(ks_gate), i32(proj_blocks)), stream)
+                      *self._gate_form(), i32(ks), i32(ks_early), i32(ks_gate),
+                      i32(early_blocks), i32(proj_blocks)), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

@@ -132,12 +132,13 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 // [M, ldp], q|k|v also to qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv]), then from f_a and g_a
 // the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
 // beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
-// first (the lowest blocks) and count themselves done in sync[0]; the gate blocks come last
-// and wait for that count, so none waits on a block that might not have started. The last gate
-// block to finish (sync[1] counts them) zeroes both counters for the next call. A gate block
-// waits with its first f_b / g_b weights in flight. The gates thus cost no launch of their
-// own: they run in the projection's last wave. (Starting them right after the f_a|g_a|b tiles
-// measured slower: their waiting blocks held the SMs.)
+// first (the lowest blocks), with ks_early shares each so that they finish well before the
+// q|k|v tiles, and count themselves done in sync[0]; the gate blocks come last and wait for
+// that count, so none waits on a block that might not have started. The launch is sized to
+// fit the SMs at once (the caller picks ks so), so the gate blocks are resident from the
+// start, wait with their first f_b / g_b weights in flight, and compute while the q|k|v tiles
+// still stream: the gates cost no launch and no wave of their own. The last gate block to
+// finish (sync[1] counts them) zeroes both counters for the next call.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)
 front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
                bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj,
@@ -145,15 +146,18 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
                const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                bf16* __restrict__ g_raw, bf16* __restrict__ out_gate, float* __restrict__ gate,
                float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldp,
-               int H, int D, int R, float lower_bound, int bounded, int ks, int ks_gate,
-               int proj_blocks) {
+               int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early,
+               int ks_gate, int early_blocks, int proj_blocks) {
     const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
     const int early = tiles - first;  // the f_a|g_a|b tiles, run first
     if (blockIdx.x < proj_blocks) {
-        const int i = gemv_tile_index(blockIdx.x, ks);  // past the last tile: no rows (N)
-        const int n0 = i >= tiles ? N : (i < early ? first + i : i - early) * TILE;
+        const bool is_early = blockIdx.x < early_blocks;
+        const int s = is_early ? ks_early : ks;
+        const int i = gemv_tile_index(is_early ? blockIdx.x : blockIdx.x - early_blocks, s);
+        const int n0 = is_early ? (i < early ? (first + i) * TILE : N)  // N: a spare warp
+                                : (i < first ? i * TILE : N);
         float out[4];
-        if (!gemv_tile(W, N, K, x, M, K, n0, ks, out)) return;
+        if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
             const bf16 r = f2bf(v);
             proj[(u64)m * ldp + n] = r;
@@ -162,7 +166,7 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
                 qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
             }
         });
-        if (i < early) {
+        if (is_early) {
             __threadfence();
             __syncwarp();
             if ((threadIdx.x & 31) == 0) atomicAdd(&sync[0], 1);
