@@ -150,6 +150,26 @@ class Glm5NextKdaKernels:
         self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n, ks),
                      (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n), i32(ks)), stream)
 
+    @functools.cached_property
+    def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:
+        """front_end_gemv's launch shape and its share and block arguments: they depend on
+        the config alone, so they are worked out once (decode asks every call)."""
+        c, sm = self.cfg, self.gpu.sm_count
+        early_rows = c.proj_rows - 3 * c.qkv  # f_a|g_a|b: few tiles, so every share they can use
+        ks_early = _gemv_shares(early_rows, c.hidden_size, sm)
+        early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
+        ks_gate = _gemv_shares(2 * c.qkv, c.rank, sm)
+        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        # q|k|v: within one wave with the rest where that leaves 2 shares (kimi-linear-48b's
+        # front end 18.2 us, 20.8 with 4 shares and the gates in a second wave), else 2 (large:
+        # 1 share 81.2 us, 2 shares and the gates in a second wave 78.2)
+        ks = _gemv_shares(3 * c.qkv, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
+                          at_least=2)
+        proj_blocks = early_blocks + self._gemv_cfg(3 * c.qkv, ks).grid[0]
+        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1),
+                           gemv_smem_bytes())
+        return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
+
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
@@ -161,25 +181,12 @@ class Glm5NextKdaKernels:
         orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        early_rows = c.proj_rows - 3 * c.qkv  # f_a|g_a|b: few tiles, so every share they can use
-        ks_early = _gemv_shares(early_rows, c.hidden_size, self.gpu.sm_count)
-        early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
-        ks_gate = _gemv_shares(2 * c.qkv, c.rank, self.gpu.sm_count)
-        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
-        # q|k|v: within one wave with the rest where that leaves 2 shares (kimi-linear-48b's
-        # front end 18.2 us, 20.8 with 4 shares and the gates in a second wave), else 2 (large:
-        # 1 share 81.2 us, 2 shares and the gates in a second wave 78.2)
-        ks = _gemv_shares(3 * c.qkv, c.hidden_size, self.gpu.sm_count,
-                          (early_blocks + gate_blocks) * GEMV_WARPS, at_least=2)
-        proj_blocks = early_blocks + self._gemv_cfg(3 * c.qkv, ks).grid[0]
-        self._launch("gemv", "front_end_gemv",
-                     LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1),
-                                  gemv_smem_bytes()),
+        cfg, shares = self._front_end_plan
+        self._launch("gemv", "front_end_gemv", cfg,
                      (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
                       i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
-                      *self._gate_form(), i32(ks), i32(ks_early), i32(ks_gate),
-                      i32(early_blocks), i32(proj_blocks)), stream)
+                      *self._gate_form(), *shares), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:
