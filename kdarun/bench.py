@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from . import synthetic
-from .backend import GpuBackend
+from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
@@ -90,6 +90,19 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     return s
 
 
+def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState],
+             ws: Glm5NextKdaWorkspace, h: DevicePtr) -> None:
+    """Give back what a benchmark allocated: the layers' weights and their (shared) kernel
+    set's side stream, the states, the workspace and the input rows."""
+    for layer in layers:
+        layer.weights.free(gpu)
+    layers[0].kernels.close()
+    for st in states:
+        st.free()
+    ws.free()
+    gpu.free(h)
+
+
 @dataclass
 class DecodeResult:
     preset: str
@@ -139,13 +152,7 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     kernels = _decode_kernel_times(gpu, layers, states, ws, h, k, stream)
     nbytes = decode_bytes(cfg, layers[0].weights, k)
     gbps = nbytes / us / 1e3
-    for layer in layers:
-        layer.weights.free(gpu)
-    layers[0].kernels.close()
-    for st in states:
-        st.free()
-    ws.free()
-    gpu.free(h)
+    _release(gpu, layers, states, ws, h)
     return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us, nbytes, gbps,
                         gbps / ceil.copy_gbps, kernels_us=kernels)
 
@@ -215,11 +222,7 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                    for n in steps if not n.endswith("_gemm")}
         out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                                  prefill_flops(cfg, t) / ms / 1e9, kernels_ms=kernels))
-    layer.weights.free(gpu)
-    layer.kernels.close()
-    state.free()
-    ws.free()
-    gpu.free(h)
+    _release(gpu, [layer], [state], ws, h)
     return out
 
 
