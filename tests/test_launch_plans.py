@@ -1,0 +1,44 @@
+"""The GEMV launch plans: share counts the kernels can take, and a front end whose block
+counts cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to
+tiles by these counts; a tile no block covers would leave its outputs unwritten)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdarun import kernels, open_backend, synthetic
+from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("sm_count", [1, 16, 132])
+@pytest.mark.parametrize("rows,k", [(16, 64), (1000, 1000), (2304, 4096), (12576, 2304),
+                                    (8192, 128), (24896, 6144)])
+def test_gemv_shares_are_launchable(rows, k, sm_count):
+    for reserved, at_least in ((0, 1), (10_000, 1), (0, 2), (10_000, 2)):
+        ks = kernels._gemv_shares(rows, k, sm_count, reserved, at_least)
+        assert ks & (ks - 1) == 0 and GEMV_WARPS % ks == 0  # whole tiles a block
+        assert ks <= ceil_div(k, GEMV_STAGE_K) or ks == 1  # every share has a stage
+        resident = kernels.GEMV_BLOCKS_PER_SM * GEMV_WARPS * sm_count - reserved
+        floor = min(at_least, ceil_div(k, GEMV_STAGE_K))
+        assert ceil_div(rows, GEMV_TILE) * ks <= max(resident, 0) or ks <= floor
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-linear-48b", "large"])
+def test_front_end_plan_covers_every_tile(preset):
+    cfg = synthetic.preset_config(preset)
+    kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    launch, args = kn._front_end_plan
+    ks, ks_early, ks_gate, early_blocks, proj_blocks = (int(a) for a in args)
+    regions = (  # (tiles, shares, blocks): f_a|g_a|b, then q|k|v, then f_b|g_b (+ beta's block)
+        (ceil_div(cfg.proj_rows - 3 * cfg.qkv, GEMV_TILE), ks_early, early_blocks),
+        (3 * cfg.qkv // GEMV_TILE, ks, proj_blocks - early_blocks),
+        (2 * cfg.qkv // GEMV_TILE, ks_gate, launch.grid[0] - proj_blocks - 1),
+    )
+    for tiles, shares, blocks in regions:
+        per_block = GEMV_WARPS // shares
+        assert (blocks - 1) * per_block < tiles <= blocks * per_block
+    assert launch.shared_mem == kernels.gemv_smem_bytes()
