@@ -8,7 +8,7 @@ source counters (clocks left alone):
     python3 tools/sass_mix.py sass.csv
 
 prints, per kernel, each mnemonic's share of the executed warp instructions and of the warp
-stall samples, largest first. ncu lists a kernel's listing once per view; the first is read.
+stall samples, largest first. ncu may list a kernel more than once; the first listing counts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def opcode_mix(path: str | Path) -> dict[str, list[MixRow]]:
             if not row:
                 continue
             if row[0] == "Kernel Name":
-                # a kernel listed again (another view of the same launch) is not counted twice
+                # a kernel listed again is not counted twice
                 fresh = row[1] not in sections
                 counts = sections.setdefault(row[1], (Counter(), Counter())) if fresh else None
             elif row[0] == "Address":
@@ -59,7 +59,8 @@ def opcode_mix(path: str | Path) -> dict[str, list[MixRow]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="executed instructions and stall samples by SASS "
+                                             "mnemonic, per kernel")
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass")
     ap.add_argument("--top", type=int, default=15, help="mnemonics a kernel")
     args = ap.parse_args()
