@@ -171,7 +171,8 @@ def _kda_decode_rows(D):
 def split_words(x: np.ndarray) -> np.ndarray:
     """fp32 [..., 2n] -> uint32 [..., 2n]: each pair (x0, x1) along the last axis becomes the
     words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders x - hi, in that
-    order. The chunk walk's tensor-core products read their operands in this form."""
+    order. The chunk walk's tensor-core products read their operands in this form, permuted
+    along the row by `to_walk_order`."""
     x = np.asarray(x, F32)
     hi = x.astype(BF)
     lo = (x - hi.astype(F32)).astype(BF)
@@ -197,26 +198,27 @@ def join_words(w: np.ndarray) -> np.ndarray:
     return out
 
 
-# kd pairs along T: values [C, H, D] -> [C/2, H, 2D] with (row 2p, row 2p+1) adjacent per
-# dimension; its words then fold back to [C, H, D], pair row p's first D words in token row 2p.
-def _pair_t(x: np.ndarray) -> np.ndarray:
-    c, h, d = x.shape
-    return x.reshape(c // 2, 2, h, d).transpose(0, 2, 3, 1).reshape(c // 2, h, 2 * d)
+def _bfo_order(n: int) -> np.ndarray:
+    """The walk's fragment order (`bfo_word` in chunk.cu) for a row of n split words:
+    row[order] lists `split_words`' [hi p0, lo p0, hi p1, ...] as the walk reads them. Each 16
+    words hold 8 k-pairs, lane t's four at 4t: the hi of pairs t and t+4, then their lo."""
+    p = np.arange(n // 2)
+    hi = 16 * (p >> 3) + 4 * (p & 3) + ((p >> 2) & 1)
+    order = np.empty(n, np.int64)
+    order[hi], order[hi + 2] = 2 * p, 2 * p + 1
+    return order
 
 
-def _unpair_t(p: np.ndarray) -> np.ndarray:
-    c2, h, d2 = p.shape
-    return p.reshape(c2, h, d2 // 2, 2).transpose(0, 3, 1, 2).reshape(2 * c2, h, d2 // 2)
+def to_walk_order(words: np.ndarray) -> np.ndarray:
+    """`split_words` rows (pairs along the last axis) in the walk's fragment order."""
+    return words[..., _bfo_order(words.shape[-1])]
 
 
-def _fold(p: np.ndarray) -> np.ndarray:
-    c2, h, d2 = p.shape
-    return p.reshape(c2, h, 2, d2 // 2).transpose(0, 2, 1, 3).reshape(2 * c2, h, d2 // 2)
-
-
-def _unfold(x: np.ndarray) -> np.ndarray:
-    c, h, d = x.shape
-    return x.reshape(c // 2, 2, h, d).transpose(0, 2, 1, 3).reshape(c // 2, h, 2 * d)
+def from_walk_order(rows: np.ndarray) -> np.ndarray:
+    """The inverse of `to_walk_order`."""
+    out = np.empty_like(rows)
+    out[..., _bfo_order(rows.shape[-1])] = rows
+    return out
 
 
 def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
@@ -229,8 +231,9 @@ def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
 def _kda_chunk_intra(D):
     def run(gpu, q, k, v, gate, beta, qg, kd, gl, w, u, aqk, t, t_pad, H, scale):
         causal = np.tril(np.ones((CHUNK, CHUNK), bool))
-        words = lambda p: gpu.view(p, (t_pad, H, D), np.uint32)  # noqa: E731
-        for ci in range(t_pad // CHUNK):
+        nc = t_pad // CHUNK
+        blocks = lambda p, shape, dt=np.uint32: gpu.view(p, (nc, H, *shape), dt)  # noqa: E731
+        for ci in range(nc):
             c0 = ci * CHUNK
             rows = slice(c0, c0 + CHUNK)
             valid = np.arange(c0, c0 + CHUNK) < t
@@ -239,10 +242,10 @@ def _kda_chunk_intra(D):
             bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[rows].T, F32(0))
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
             g_last = G[:, -1:, :]
-            gpu.view(gl, (t_pad // CHUNK, H, D), F32)[ci] = np.exp(g_last[:, 0])
-            words(qg)[rows] = split_words((qc * np.exp(G)).transpose(1, 0, 2))
-            kdc = (kc * np.exp(g_last - G)).transpose(1, 0, 2)  # [C, H, D]
-            words(kd)[rows] = _fold(split_words(_pair_t(kdc)))
+            gpu.view(gl, (nc, H, D), F32)[ci] = np.exp(g_last[:, 0])
+            blocks(qg, (CHUNK, D))[ci] = to_walk_order(split_words(qc * np.exp(G)))
+            kdc = kc * np.exp(g_last - G)  # [H, C, D]
+            blocks(kd, (D, CHUNK))[ci] = to_walk_order(split_words(kdc.transpose(0, 2, 1)))
             diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
             decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
             A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
@@ -253,9 +256,9 @@ def _kda_chunk_intra(D):
             for i in range(CHUNK):  # forward substitution through I + diag(b) A
                 X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
                                                                  X[:, :i])
-            gpu.view(u, (t_pad, H, D), F32)[rows] = X[:, :, :D].transpose(1, 0, 2)
-            words(w)[rows] = split_words(X[:, :, D:].transpose(1, 0, 2))
-            gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), np.uint32)[ci] = split_words(M)
+            blocks(u, (CHUNK, D), F32)[ci] = X[:, :, :D]
+            blocks(w, (CHUNK, D))[ci] = to_walk_order(split_words(X[:, :, D:]))
+            blocks(aqk, (CHUNK, CHUNK))[ci] = to_walk_order(split_words(M))
     return run
 
 
@@ -264,18 +267,19 @@ def _kda_chunk_inter(D):
         S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
         St = S.transpose(0, 2, 1).copy()  # [h, k, v]
         out = gpu.view(core, (t_pad, H, D), F32)
-        words = lambda p: gpu.view(p, (t_pad, H, D), np.uint32)  # noqa: E731
-        for ci in range(t_pad // CHUNK):
+        nc = t_pad // CHUNK
+        blocks = lambda p, shape, dt=np.uint32: gpu.view(p, (nc, H, *shape), dt)  # noqa: E731
+        for ci in range(nc):
             rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
-            Qg, Wk = (join_words(words(p)[rows]).transpose(1, 0, 2) for p in (qg, w))
-            Kd = _unpair_t(join_words(_unfold(words(kd)[rows]))).transpose(1, 0, 2)
-            U = gpu.view(u, (t_pad, H, D), F32)[rows].transpose(1, 0, 2)
-            M = join_words(gpu.view(aqk, (t_pad // CHUNK, H, CHUNK, CHUNK), np.uint32)[ci])
+            Qg, Wk = (join_words(from_walk_order(blocks(p, (CHUNK, D))[ci])) for p in (qg, w))
+            Kd = join_words(from_walk_order(blocks(kd, (D, CHUNK))[ci])).transpose(0, 2, 1)
+            U = blocks(u, (CHUNK, D), F32)[ci]  # [H, C, Dv]
+            M = join_words(from_walk_order(blocks(aqk, (CHUNK, CHUNK))[ci]))
             Wm = U - Wk @ St  # [H, C, Dv]
             o = Qg @ St + M @ Wm
             valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t
             out[rows] = np.where(valid[:, None, None], o.transpose(1, 0, 2), F32(0))
-            g_last = gpu.view(gl, (t_pad // CHUNK, H, D), F32)[ci]
+            g_last = gpu.view(gl, (nc, H, D), F32)[ci]
             St = (g_last[:, :, None] * St + Kd.transpose(0, 2, 1) @ Wm).astype(F32)
         S[...] = St.transpose(0, 2, 1)
     return run

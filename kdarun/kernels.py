@@ -27,7 +27,6 @@ GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes (SK in gemv.cu
 GEMV_STAGES = 2  # stages a GEMV warp keeps in flight (STAGES in gemv.cu)
 GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__ in gemv.cu)
 THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
-WALK_THREADS = 256  # kda_chunk_inter's block (WALK_THREADS in chunk.cu)
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
@@ -46,12 +45,18 @@ def intra_smem_bytes() -> int:
     return 4 * (3 * CHUNK * 66 + (CHUNK + 32) * 72 + 2 * CHUNK * CHUNK_AP + CHUNK)
 
 
+def walk_threads(vs: int) -> int:
+    """kda_chunk_inter_d*_v{vs}'s block (`Walk::BLOCK` in chunk.cu): a warp for each 16 state
+    rows and each half of D."""
+    return 32 * (vs // 16) * 2
+
+
 def walk_smem_bytes(d: int, vs: int) -> int:
     """Shared memory of kda_chunk_inter_d{d}_v{vs}: the `Walk` layout in chunk.cu, in 4-byte
-    words (w, qg [C, D+8]; kd [C/2, 2D+8]; Aqk [C, C+8]; u [C, VS+8]; S [D, VS] and
-    W [C, VS] as split-word fragments; gl [D])."""
-    return 4 * (2 * CHUNK * (d + 8) + CHUNK // 2 * (2 * d + 8) + CHUNK * (CHUNK + 8)
-                + CHUNK * (vs + 8) + (d + CHUNK) * vs + d)
+    words (w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; and each warp's hand-over to its
+    partner: C fragments of W^T [16, C] and half of O^T [16, C/2])."""
+    handover = 16 * (CHUNK + CHUNK // 2)
+    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + walk_threads(vs) // 32 * handover)
 
 
 def gemv_smem_bytes() -> int:
@@ -271,7 +276,8 @@ class Glm5NextKdaKernels:
         H, ptr = c.num_heads, ws.ptr
         vs = self.walk_slice()
         self._launch("chunk", f"kda_chunk_inter_d{D}_v{vs}",
-                     LaunchConfig((H, D // vs, 1), (WALK_THREADS, 1, 1), walk_smem_bytes(D, vs)),
+                     LaunchConfig((H, D // vs, 1), (walk_threads(vs), 1, 1),
+                                  walk_smem_bytes(D, vs)),
                      (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
                       ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
                       i32(H)), stream)

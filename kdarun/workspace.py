@@ -44,6 +44,10 @@ def _heads(c: Glm5NextKdaConfig, t: int, tp: int) -> tuple[int, ...]:
     return (tp, c.num_heads, c.head_dim)
 
 
+def _chunk_blocks(block: Callable[[Glm5NextKdaConfig], tuple[int, ...]]) -> Shape:
+    return lambda c, t, tp: (tp // CHUNK, c.num_heads, *block(c))
+
+
 BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("qkv_parts", lambda c, t, tp: (3, t, c.qkv), BF16, True, "[3, T, qkv]",
                "q, k and v projection outputs, before the pack"),
@@ -71,18 +75,23 @@ BUFFERS: tuple[BufferSpec, ...] = (
     # private scratch
     BufferSpec("proj", _rows(lambda c: c.proj_width), BF16, False,
                "[T, proj_width] q|k|v|f_a|g_a|b", "the packed input projection"),
-    BufferSpec("chunk_qg", _heads, U32, False, "[T_pad, H, D] split words, pairs along D",
+    # the chunked core's operands, a block for each (chunk, head), in the orders the walk reads:
+    # split words (host_kernels.split_words) in its fragment order (to_walk_order)
+    BufferSpec("chunk_qg", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
+               "[T_pad/C, H, C, D] split words, pairs along D, walk order",
                "q * scale * exp(G), G the in-chunk cumulative log-decay"),
-    BufferSpec("chunk_kd", _heads, U32, False,
-               "[T_pad, H, D] split words, pairs along T (rows 2p, 2p+1 hold pair p)",
-               "k * exp(G_last - G)"),
-    BufferSpec("chunk_gl", lambda c, t, tp: (tp // CHUNK, c.num_heads, c.head_dim), F32, False,
+    BufferSpec("chunk_kd", _chunk_blocks(lambda c: (c.head_dim, CHUNK)), U32, False,
+               "[T_pad/C, H, D, C] split words, pairs along C, walk order",
+               "(k * exp(G_last - G))^T"),
+    BufferSpec("chunk_gl", _chunk_blocks(lambda c: (c.head_dim,)), F32, False,
                "[T_pad/C, H, D]", "exp(G_last) per chunk"),
-    BufferSpec("chunk_w", _heads, U32, False, "[T_pad, H, D] split words, pairs along D",
+    BufferSpec("chunk_w", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
+               "[T_pad/C, H, C, D] split words, pairs along D, walk order",
                "WY: (I + bA)^-1 b (K * Gamma)"),
-    BufferSpec("chunk_u", _heads, F32, False, "[T_pad, H, D]", "WY: (I + bA)^-1 b V"),
-    BufferSpec("chunk_aqk", lambda c, t, tp: (tp // CHUNK, c.num_heads, CHUNK, CHUNK), U32, False,
-               "[T_pad/C, H, C, C] split words, pairs along the last axis",
+    BufferSpec("chunk_u", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), F32, False,
+               "[T_pad/C, H, C, D]", "WY: (I + bA)^-1 b V"),
+    BufferSpec("chunk_aqk", _chunk_blocks(lambda c: (CHUNK, CHUNK)), U32, False,
+               "[T_pad/C, H, C, C] split words, pairs along the last axis, walk order",
                "in-chunk decayed q.k products, causal"),
     BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
                "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "

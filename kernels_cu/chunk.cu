@@ -7,9 +7,10 @@
 //   kda_chunk_inter_d{D}_v{VS}: per (head, VS-column slice of V) walks the chunks in order with
 //     its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
 //     products run on tensor cores in 3xBF16 from operands the intra kernel already wrote as
-//     split bf16 words (so the walk's inner loops convert nothing); the next operands stream
-//     into shared memory with cp.async while the current product runs, since the walk is one
-//     block per SM and nothing else hides its loads.
+//     split bf16 words, one (chunk, head) block each, in the order the walk's fragments take
+//     them (so its inner loops convert nothing); the next operands stream into shared memory
+//     with cp.async while the current products run, since the walk is one block per SM and
+//     nothing else hides its loads.
 // Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
 // padded tail can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
@@ -18,7 +19,6 @@
 
 #define CH 64
 #define THREADS 256        // kda_chunk_intra's threads (kernels.py launches them so)
-#define WALK_THREADS 256   // kda_chunk_inter's (16 warps measured slower at H = 32)
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
@@ -46,9 +46,8 @@ __device__ __forceinline__ uint2 split_pair(float x0, float x1) {
 }
 
 // A and B fragments of one 16x8x16 step, as hi and lo words. Buffers hold rows of word pairs
-// (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_at` reads
-// A[m][k] from rows of k-pairs with m along the row (a transposed operand), `frag_b` reads
-// B[k][n] from rows of k-pairs with n along the row, `frag_bt` from rows n with k-pairs along it.
+// (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_bt` reads
+// B[k][n] from rows n with k-pairs along the row.
 struct Frag {
     unsigned hi[4], lo[4];
 };
@@ -60,27 +59,10 @@ __device__ __forceinline__ Frag frag_a(const unsigned* buf, int ld, int m0, int 
     return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
 }
 
-__device__ __forceinline__ Frag frag_at(const unsigned* buf, int ld, int m0, int kp0, int g, int t) {
-    const unsigned* p = buf + (kp0 + t) * ld + 2 * (m0 + g);
-    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 16);
-    const uint2 x2 = *reinterpret_cast<const uint2*>(p + 4 * ld), x3 = *reinterpret_cast<const uint2*>(p + 4 * ld + 16);
-    return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
-}
-
 __device__ __forceinline__ Frag frag_bt(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
     const unsigned* p = buf + (n0 + g) * ld + 2 * (kp0 + t);  // rows n, k-pairs along the row
     const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 8);
     return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
-}
-
-// The B operands the walk produces itself (S and W) live in shared memory in fragment order:
-// per 16 x 8 tile (16 k rows as 8 k-pairs, 8 columns n), lane l's four words (b0 hi, b1 hi,
-// b0 lo, b1 lo) at tile * 128 + 4 l. One 16-byte load then hands a lane its fragment in the
-// register pairs the MMA takes; rows of (hi, lo) pairs cost register moves, which Nsight
-// Compute counted as 40% of the walk's instructions.
-__device__ __forceinline__ Frag frag_b(const unsigned* buf, int ntiles, int kp0, int n0, int lane) {
-    const uint4 v = *reinterpret_cast<const uint4*>(buf + ((kp0 / 8) * ntiles + n0 / 8) * 128 + 4 * lane);
-    return {{v.x, v.y, 0u, 0u}, {v.z, v.w, 0u, 0u}};
 }
 
 // big + small += a b: the hi x hi products and the two correction terms accumulate apart
@@ -91,36 +73,13 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
     mma_bf16(small, a.hi, b.lo);
 }
 
-// Store a C fragment (rows r0+g and r0+g+8 with r0 % 16 == 0, columns n0+2t and n0+2t+1) as a
-// later product's B operand, in frag_b's order: lanes g and g^1 swap one value so that each
-// holds a k-pair of one column, then writes the words of the lane that will read them.
-__device__ __forceinline__ void put_bfrag(unsigned* buf, int ntiles, int r0, int n0,
-                                          const float c[4], int g, int t) {
-    const bool odd = g & 1;
-    uint2 w[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float v0 = c[2 * half], v1 = c[2 * half + 1];
-        const float x = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
-        w[half] = odd ? split_pair(x, v1) : split_pair(v0, x);
-    }
-    const int reader = (2 * t + odd) * 4 + (g - odd) / 2;
-    *reinterpret_cast<uint4*>(buf + ((r0 / 16) * ntiles + n0 / 8) * 128 + 4 * reader) =
-        make_uint4(w[0].x, w[1].x, w[0].y, w[1].y);
-}
-
-// acc[j] + err[j] += A B over k-pairs [0, kp_end) for a warp's NT column tiles n0 + 8j of B
-// (in frag_b's order, ntiles column tiles wide); a_at(kp) loads the A fragment of k-pairs kp..
-template <int NT, typename LoadA>
-__device__ __forceinline__ void tiles_product(float (&acc)[NT][4], float (&err)[NT][4], int kp_end,
-                                              LoadA a_at, const unsigned* B, int ntiles, int n0,
-                                              int lane) {
-#pragma unroll
-    for (int kp = 0; kp < kp_end; kp += 8) {
-        const Frag a = a_at(kp);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) mma3(acc[j], err[j], a, frag_b(B, ntiles, kp, n0 + 8 * j, lane));
-    }
+// The operands the walk takes as B (w, qg, kd^T, Aqk) are written in its fragment order: rows
+// n, the k axis along a row in blocks of 16 words (8 k-pairs), lane t's four words at 4t:
+// (hi of pair t, hi of pair t + 4, lo of pair t, lo of pair t + 4). One 16-byte load then hands
+// a lane its fragment in the register pairs the MMA takes; rows of (hi, lo) pairs cost
+// register moves, which Nsight Compute counted as 40% of an earlier walk's instructions.
+__host__ __device__ __forceinline__ int bfo_word(int p) {  // the hi word of k-pair p in its row; lo at +2
+    return 16 * (p >> 3) + 4 * (p & 3) + ((p >> 2) & 1);
 }
 
 // ---- intra: every (chunk, head) in parallel -----------------------------------------------------
@@ -154,7 +113,8 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
     const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CH;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] addressing
+    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] inputs
+    const u64 blk = ((u64)ci * H + h) * CH * D;  // the outputs: one block a (chunk, head)
 
     for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
     if (tid < CH) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
@@ -202,34 +162,36 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;
             __syncthreads();
         }
-        // what the walk and the solve need elementwise: gl, qg and kd (as split words: qg in
-        // pairs along d, kd in pairs along t, as the walk reads them), and k exp(G), the
-        // solve's right-hand side, parked in w_out until the solve overwrites it. These loops
-        // (and the scaled rows' below) give each warp whole rows and each lane the same two
-        // dimensions c2, c2+1 of every row (DH / 2 == 32 pairs): no index is divided or taken
-        // modulo inside them.
+        // what the walk and the solve need elementwise: gl, qg and kd^T (as split words in the
+        // walk's fragment order), and k exp(G), the solve's right-hand side, parked in w_out
+        // until the solve overwrites it. These loops (and the scaled rows' below) give each warp
+        // whole rows and each lane the same two dimensions c2, c2+1 of every row (DH / 2 == 32
+        // pairs): no index is divided or taken modulo inside them.
         static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
+        static_assert(CH == 64, "kd^T: a lane's t-pair of a 64-token row");
         const int c2 = 2 * lane;
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
         for (int r = warp; r < CH; r += THREADS / 32) {
             const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
             const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
-            const u64 o = row0 + r * rstride + d0 + c2;
             const float e0 = __expf(G.x), e1 = __expf(G.y);
-            *reinterpret_cast<uint2*>(qg_out + o) = split_pair(qq.x * e0, qq.y * e1);
-            *reinterpret_cast<float2*>(w_out + o) = make_float2(kk.x * e0, kk.y * e1);
+            const uint2 x = split_pair(qq.x * e0, qq.y * e1);
+            unsigned* qrow = qg_out + blk + r * D + bfo_word(d0 / 2 + lane);
+            qrow[0] = x.x, qrow[2] = x.y;
+            *reinterpret_cast<float2*>(w_out + blk + r * D + d0 + c2) =
+                make_float2(kk.x * e0, kk.y * e1);
         }
-        // kd rows 2p and 2p+1 hold, for every d, the pair (kd[2p][d], kd[2p+1][d]): the
-        // first D/2 dimensions' words in row 2p, the rest in row 2p+1; a thread keeps one
-        // dimension d and takes row pairs in turn
-        const int d = tid % DH, dd = d0 + d;
-        const float GL = Gs[(CH - 1) * P + d];
-        unsigned* kd_col = kd_out + row0 + (dd / (D / 2)) * rstride + 2 * (dd % (D / 2));
-        for (int r = 2 * (tid / DH); r < CH; r += 2 * (THREADS / DH)) {
-            const float k0 = Ks[r * P + d] * __expf(GL - Gs[r * P + d]);
-            const float k1 = Ks[(r + 1) * P + d] * __expf(GL - Gs[(r + 1) * P + d]);
-            *reinterpret_cast<uint2*>(kd_col + r * rstride) = split_pair(k0, k1);
+        // kd^T, a [D][C] block a (chunk, head): a warp writes whole rows d, a lane one t-pair
+        {
+            unsigned* kd_row = kd_out + blk + d0 * CH + bfo_word(lane);
+            for (int d = warp; d < DH; d += THREADS / 32) {
+                const float GL = Gs[(CH - 1) * P + d];
+                const float k0 = Ks[c2 * P + d] * __expf(GL - Gs[c2 * P + d]);
+                const float k1 = Ks[(c2 + 1) * P + d] * __expf(GL - Gs[(c2 + 1) * P + d]);
+                const uint2 x = split_pair(k0, k1);
+                kd_row[d * CH] = x.x, kd_row[d * CH + 2] = x.y;
+            }
         }
 
         // A block row of 16 at a time: rows r.. of A and Aqk against every row up to r + 15,
@@ -299,103 +261,163 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         }
         __syncthreads();  // before the next dimensions overwrite G, k, q
     }
-    {  // Aqk as split words in pairs along s
+    {  // Aqk as split words, rows t with s-pairs in the walk's fragment order
         unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
         for (int i = tid; i < CH * CH / 2; i += THREADS) {
-            const int t = i / (CH / 2), s2 = (i % (CH / 2)) * 2;
-            reinterpret_cast<uint2*>(Mg)[i] = split_pair(Ms[t * AP + s2], Ms[t * AP + s2 + 1]);
+            const int t = i / (CH / 2), p = i % (CH / 2);
+            const uint2 x = split_pair(Ms[t * AP + 2 * p], Ms[t * AP + 2 * p + 1]);
+            Mg[t * CH + bfo_word(p)] = x.x, Mg[t * CH + bfo_word(p) + 2] = x.y;
         }
     }
 
-    // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)]: one column a thread, forward
-    // substitution over the rows; four partial sums keep the dot products' chains short. The
-    // right-hand sides are staged in shared memory first (G, k, q and the scaled rows are
-    // done with): read from global memory inside the row loop, each load would wait for the
-    // previous row's store, which the compiler cannot prove distinct. u is written as fp32,
-    // w as split words in pairs along d (lanes 2i and 2i+1 meet in a shuffle).
+    // (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)], one column a thread, by 16-row
+    // blocks: block i's rows are x_r = b_r (rhs_r - C_r - sum_{s in block, s < r} A_rs x_s)
+    // with C = A[block i, rows before it] X[rows before it] formed on tensor cores, so a
+    // thread runs 120 dependent FMAs instead of 2 k and every warp keeps its column. X goes to
+    // shared memory as split words (the product's B operand) as each block is solved; u is
+    // written as fp32, w as split words in the walk's fragment order (lanes 2i and 2i+1 meet
+    // in a shuffle) over the right-hand side k exp(G) parked there: a warp's 32 columns are
+    // permuted among themselves only, so it reads a block's rows before it writes them.
+    constexpr int LX = CH + 8;           // split-word rows of token pairs: reads hit bank 8g + 2t
+    constexpr int XK = CH - SB;          // rows the products read: all but the last block's
+    constexpr int LC = 2 * D + 4;        // C rows
+    constexpr int DG = SB + 1;           // diagonal blocks' rows (fp32)
+    constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * D * LX;
+    static_assert(DG_OFF + (CH / SB) * SB * DG <= L::A_OFF,
+                  "X and the diagonal blocks fit below A");
+    static_assert(XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
+                  "A's rows in split words fit where Aqk was, C where A was");
     static_assert(2 * D <= THREADS, "one solve column a thread");
-    static_assert(CH * (2 * D + 4) <= L::A_OFF, "right-hand sides fit below A");
-    constexpr int LR = 2 * D + 4;
-    float* Rs = sm;  // [CH][2D + 4]: v | k exp(G)
-    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free
-    for (int i = tid; i < CH * 2 * D / 4; i += THREADS) {
-        const int r = i / (2 * D / 4), c4 = (i % (2 * D / 4)) * 4;
-        const u64 o = row0 + r * rstride + (c4 % D);
-        const float4 x = c4 < D ? pick4(c0 + r < T, __ldg(reinterpret_cast<const float4*>(v + o)))
-                                : *reinterpret_cast<const float4*>(w_out + o);
-        *reinterpret_cast<float4*>(Rs + r * LR + c4) = x;
+    unsigned* Xs = reinterpret_cast<unsigned*>(sm + X_OFF);  // [2D][LX]: X^T, pairs along t
+    float* Dg = sm + DG_OFF;                                  // [C/SB][SB][DG]: A's diagonal blocks
+    unsigned* As = reinterpret_cast<unsigned*>(Ms);  // [XK][LX]: A rows SB.., pairs along s
+    float* Cs = A;                                            // [SB][LC]
+    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read
+    for (int i = tid; i < XK * XK / 2; i += THREADS) {  // rows SB.. of A, columns < XK
+        const int r = i / (XK / 2), p = i % (XK / 2);
+        *reinterpret_cast<uint2*>(As + r * LX + 2 * p) =
+            split_pair(A[(SB + r) * AP + 2 * p], A[(SB + r) * AP + 2 * p + 1]);
     }
-    __syncthreads();
-    const int col = tid;
-    if (col < 2 * D) {
-        const int dc = col < D ? col : col - D;
-        float* dst = (col < D ? u_out : w_out) + row0 + dc;
-        float x[CH];
+    for (int i = tid; i < CH * SB; i += THREADS) {  // the diagonal blocks, fp32
+        const int r = i / SB, c = i % SB;
+        Dg[(r / SB) * SB * DG + (r % SB) * DG + c] = A[r * AP + (r / SB) * SB + c];
+    }
+    __syncthreads();  // A is read: C goes there
+    const int col = tid, dc = col < D ? col : col - D;
+    float* dst = col < D ? u_out + blk + dc : w_out + blk + bfo_word(dc / 2) + 2 * (dc & 1);
+    for (int bi = 0; bi < CH / SB; ++bi) {
+        const int r0 = bi * SB;
+        if (bi > 0) {
+            // C [SB, 2D] = A[r0.., :r0] X[:r0, :]: a warp takes 2D / 8 / 8 column tiles
+            constexpr int NT = 2 * D / 8 / (THREADS / 32);
+            const int n0 = NT * 8 * warp;
+            float acc[NT][4] = {}, err[NT][4] = {};
+            for (int kp = 0; kp < r0 / 2; kp += 8) {
+                const Frag fa = frag_a(As, LX, r0 - SB, kp, g, t4);
 #pragma unroll
-        for (int r = 0; r < CH; ++r) {
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int s = 0; s < (r & ~3); s += 4) {
-                const float4 a4 = *reinterpret_cast<const float4*>(A + r * AP + s);
-                acc[0] = __fmaf_rn(a4.x, x[s], acc[0]);
-                acc[1] = __fmaf_rn(a4.y, x[s + 1], acc[1]);
-                acc[2] = __fmaf_rn(a4.z, x[s + 2], acc[2]);
-                acc[3] = __fmaf_rn(a4.w, x[s + 3], acc[3]);
+                for (int j = 0; j < NT; ++j)
+                    mma3(acc[j], err[j], fa, frag_bt(Xs, LX, kp, n0 + 8 * j, g, t4));
             }
 #pragma unroll
-            for (int s = r & ~3; s < r; ++s) acc[s & 3] = __fmaf_rn(A[r * AP + s], x[s], acc[s & 3]);
-            x[r] = Bs[r] * (Rs[r * LR + col] - ((acc[0] + acc[1]) + (acc[2] + acc[3])));
-            if (col < D) {
-                dst[r * rstride] = x[r];
-            } else {
-                const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
-                const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
-                reinterpret_cast<unsigned*>(dst)[r * rstride] = dc & 1 ? w2.y : w2.x;
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+                    *reinterpret_cast<float2*>(Cs + (g + 8 * hh) * LC + n0 + 8 * j + 2 * t4) =
+                        make_float2(acc[j][2 * hh] + err[j][2 * hh],
+                                    acc[j][2 * hh + 1] + err[j][2 * hh + 1]);
+            __syncthreads();  // C complete
+        }
+        if (col < 2 * D) {
+            float x[SB];
+            const float* dg = Dg + bi * SB * DG;
+#pragma unroll
+            for (int r = 0; r < SB; ++r) {
+                const int t = r0 + r;
+                const float rhs = col < D ? pick(c0 + t < T, __ldg(v + row0 + t * rstride + dc))
+                                          : w_out[blk + t * D + dc];
+                float acc = bi > 0 ? Cs[r * LC + col] : 0.0f;
+#pragma unroll
+                for (int s2 = 0; s2 < r; ++s2) acc = __fmaf_rn(dg[r * DG + s2], x[s2], acc);
+                x[r] = Bs[t] * (rhs - acc);
+            }
+            __syncwarp();  // the warp's reads of these rows' right-hand sides are done
+#pragma unroll
+            for (int r = 0; r < SB; ++r) {
+                const int t = r0 + r;
+                if (col < D) {
+                    dst[t * D] = x[r];
+                } else {
+                    const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
+                    const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
+                    reinterpret_cast<unsigned*>(dst)[t * D] = dc & 1 ? w2.y : w2.x;
+                }
+            }
+            if (r0 + SB < CH) {
+#pragma unroll
+                for (int q2 = 0; q2 < SB / 2; ++q2)
+                    *reinterpret_cast<uint2*>(Xs + col * LX + r0 + 2 * q2) =
+                        split_pair(x[2 * q2], x[2 * q2 + 1]);
             }
         }
+        __syncthreads();  // X's rows of this block are in place; C is read
     }
 }
 
-// Queue rows [c0, c0+CH), words [col0, col0+N) of one head of a [T_pad, H, D] buffer of
-// 4-byte words into shared rows of stride ld (16-byte pieces; the copy runs behind the
-// arithmetic). PAIRED puts token rows 2p and 2p+1 side by side in shared row p (kd's layout).
-template <int N, bool PAIRED = false>
-__device__ __forceinline__ void stage_async(void* dst, int ld, const void* src, int c0, int h,
-                                            int H, int D, int col0) {
-    constexpr int PER_ROW = N / 4, ITER = (CH * PER_ROW + WALK_THREADS - 1) / WALK_THREADS;
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const int i = threadIdx.x + it * WALK_THREADS;
-        if (CH * PER_ROW % WALK_THREADS == 0 || i < CH * PER_ROW) {
-            const int r = i / PER_ROW, q4 = (i % PER_ROW) * 4;
-            const int at = PAIRED ? (r >> 1) * ld + (r & 1) * N : r * ld;
-            cp_async16(static_cast<unsigned*>(dst) + at + q4,
-                       static_cast<const unsigned*>(src) + ((u64)(c0 + r) * H + h) * D + col0 + q4);
-        }
-    }
-}
-
-// Shared memory of the walk, in 4-byte words. The staged split-word operands are read as
-// 8-byte (hi, lo) pairs; a row stride = 8 mod 32 words puts a half-warp's fragment reads in
-// distinct banks, whichever way the operand is read. S and W are in frag_b's order.
+// ---- walk: the chunks in order, one (head, VS-column slice of V) a block ---------------------
+// The state slice rides transposed, S^T [VS, D] (the state's own [Dv, Dk] layout), in registers:
+// warp (r, half) holds rows 16 r.. and the D/2 dimensions of its half as C fragments. A C
+// fragment is also an A fragment, so every product of the chain takes its A from registers:
+//   W^T = S^T w^T, v^T = u^T - W^T (the chunk's new values, v = u - w S),
+//   O^T = S^T qg^T + v^T Aqk^T,   S^T = S^T diag(gl) + v^T kd.
+// Each half forms its partial products over its own dimensions and the two meet once a chunk
+// in shared memory (W^T and O^T sum over all of D): two barriers a chunk, where S and W kept in
+// shared memory took four and held the tensor pipe 30% busy (38% this way).
+// w and qg are double-buffered and copied a chunk ahead; kd and Aqk land during the first
+// products; u and gl go straight to registers. Staged rows keep bfo_word's order, their 16-byte
+// units swizzled by row parity, so a quarter-warp's loads (rows n, n + 1) hit distinct banks.
 template <int D, int VS>
 struct Walk {
-    static constexpr int LDA = D + 8;       // w, qg: [C][D] rows of d-pairs
-    static constexpr int LDK = 2 * D + 8;   // kd: [C/2][2D] rows of t-pairs
-    static constexpr int LDQ = CH + 8;      // Aqk: [C][C] rows of s-pairs
-    static constexpr int LDU = VS + 8;      // u: [C][VS] fp32
-    static constexpr int NTB = VS / 8;      // column tiles of S [D, VS] and W [C, VS]
-    static constexpr int W_OFF = 0, Q_OFF = W_OFF + CH * LDA, K_OFF = Q_OFF + CH * LDA;
-    static constexpr int A_OFF = K_OFF + CH / 2 * LDK, U_OFF = A_OFF + CH * LDQ;
-    static constexpr int S_OFF = U_OFF + CH * LDU, WM_OFF = S_OFF + D * VS;
-    static constexpr int GL_OFF = WM_OFF + CH * VS, WORDS = GL_OFF + D;
-    static constexpr int WARPS = WALK_THREADS / 32;
-    // W and O are [C, VS]: warps tile 4 row blocks x WARPS / 4 column groups.
-    static constexpr int CG1 = WARPS / 4, NT1 = VS / 8 / CG1;
-    // S is [D, VS]: D / 16 row blocks x WARPS / (D / 16) column groups.
-    static constexpr int RB3 = D / 16, CG3 = WARPS / RB3, NT3 = VS / 8 / CG3;
-    static_assert(NT1 >= 1 && NT3 >= 1, "every warp owns at least one 16x8 tile");
+    static constexpr int WARPS = VS / 8;  // VS / 16 row groups x 2 halves of D
+    static constexpr int BLOCK = 32 * WARPS;  // threads
+    static constexpr int DK = D / 2;                  // dimensions a warp owns
+    static constexpr int NTD = DK / 8, NTC = CH / 8;  // its n-tiles of D; the n-tiles of C
+    static constexpr int XW = (NTC + NTC / 2) * 128;  // a warp's hand-over: W^T, half of O^T
+    static constexpr int W_OFF = 0, Q_OFF = 2 * CH * D, K_OFF = 4 * CH * D;  // w, qg: 2 buffers
+    static constexpr int A_OFF = K_OFF + D * CH, X_OFF = A_OFF + CH * CH;
+    static constexpr int WORDS = X_OFF + WARPS * XW;
 };
+
+// Queue a block of ROWS rows of UNITS 16-byte units, each row's units swizzled by its parity.
+template <int ROWS, int UNITS, int NTHREADS>
+__device__ __forceinline__ void stage_rows(unsigned* dst, const unsigned* src) {
+    static_assert(ROWS * UNITS % NTHREADS == 0 && UNITS >= 8, "whole rounds; the swizzle fits");
+#pragma unroll
+    for (int it = 0; it < ROWS * UNITS / NTHREADS; ++it) {
+        const int i = threadIdx.x + it * NTHREADS, r = i / UNITS, q = i % UNITS;
+        cp_async16(dst + r * 4 * UNITS + 4 * (q ^ ((r & 1) << 2)), src + 4 * i);
+    }
+}
+
+// The B fragment of row n (B's column) and k-block kb of a staged operand, ld words a row.
+__device__ __forceinline__ Frag frag_bo(const unsigned* buf, int ld, int n, int kb, int t4) {
+    const uint4 x =
+        *reinterpret_cast<const uint4*>(buf + n * ld + 4 * ((4 * kb + t4) ^ ((n & 1) << 2)));
+    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
+}
+
+// The A fragment of k-columns 16 i.. from the C fragments of columns 16 i.. (x) and 16 i + 8.. (y).
+__device__ __forceinline__ Frag frag_of(const float x[4], const float y[4]) {
+    const uint2 p0 = split_pair(x[0], x[1]), p1 = split_pair(x[2], x[3]);
+    const uint2 p2 = split_pair(y[0], y[1]), p3 = split_pair(y[2], y[3]);
+    return {{p0.x, p1.x, p2.x, p3.x}, {p0.y, p1.y, p2.y, p3.y}};
+}
+
+// c += a b in 3xBF16 into one accumulator (the walk's products have 8-24 independent ones).
+__device__ __forceinline__ void mma3_acc(float c[4], const Frag& a, const Frag& b) {
+    mma_bf16(c, a.lo, b.hi);
+    mma_bf16(c, a.hi, b.lo);
+    mma_bf16(c, a.hi, b.hi);
+}
 
 template <int D, int VS>
 __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
@@ -404,126 +426,129 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
                             float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
                             int H) {
     using L = Walk<D, VS>;
+    constexpr int DK = L::DK, NTD = L::NTD, NTC = L::NTC, HT = NTC / 2, NT = L::BLOCK;
     extern __shared__ __align__(16) unsigned smw[];
-    unsigned *Wb = smw + L::W_OFF, *Qb = smw + L::Q_OFF, *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
-    unsigned *Ss = smw + L::S_OFF, *Wm = smw + L::WM_OFF;
-    float *Ub = reinterpret_cast<float*>(smw + L::U_OFF), *gls = reinterpret_cast<float*>(smw + L::GL_OFF);
-    const int h = blockIdx.x, v0 = blockIdx.y * VS;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    // W / O tile of this warp: rows m1.., columns n1..
-    const int m1 = 16 * (warp % 4), n1 = (VS / L::CG1) * (warp / 4);
-    // S tile of this warp: rows m3.. (state's k index), columns n3.. (v index)
-    const int m3 = 16 * (warp % L::RB3), n3 = (VS / L::CG3) * (warp / L::RB3);
+    unsigned *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
+    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int half = warp & 1, dk0 = half * DK;         // this warp's dimensions
+    const int vr = blockIdx.y * VS + 16 * (warp >> 1);  // and its first state row (a v index)
+    float4* give = reinterpret_cast<float4*>(smw + L::X_OFF + warp * L::XW);
+    const float4* take = reinterpret_cast<const float4*>(smw + L::X_OFF + (warp ^ 1) * L::XW);
+    const u64 hd = (u64)H * D;
     const int nchunks = T_pad / CH;
-
-    // Loads run a product ahead: w, u, gl of chunk c+1 while O and S of chunk c are formed,
-    // qg and Aqk of chunk c+1 during S of chunk c, kd of chunk c during W and O. The groups
-    // commit in the order WU(c), QA(c), K(c), WU(c+1), QA(c+1), ...
-    auto issue_wu = [&](int ci) {
-        stage_async<D>(Wb, L::LDA, w_in, ci * CH, h, H, D, 0);
-        stage_async<VS>(Ub, L::LDU, u_in, ci * CH, h, H, D, v0);
-        if (threadIdx.x < D / 4)
-            cp_async16(gls + 4 * threadIdx.x, gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
+    auto issue_wq = [&](int ci) {  // w and qg of chunk ci into buffer ci % 2
+        const u64 o = ((u64)ci * H + h) * CH * D;
+        stage_rows<CH, D / 4, NT>(smw + L::W_OFF + (ci & 1) * CH * D, w_in + o);
+        stage_rows<CH, D / 4, NT>(smw + L::Q_OFF + (ci & 1) * CH * D, qg + o);
     };
-    auto issue_qa = [&](int ci) {
-        stage_async<D>(Qb, L::LDA, qg, ci * CH, h, H, D, 0);
-        const unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
-#pragma unroll
-        for (int it = 0; it < CH * CH / 4 / WALK_THREADS; ++it) {
-            const int i = threadIdx.x + it * WALK_THREADS;
-            cp_async16(Ab + (i / (CH / 4)) * L::LDQ + (i % (CH / 4)) * 4, Mg + 4 * i);
-        }
-    };
-    issue_wu(0);
-    cp_commit();
-    issue_qa(0);
-    cp_commit();
 
-    float S[L::NT3][4];  // the carried state slice, S[k][v] = state[h][v0 + v][k]
+    // S^T rows vr + g (+ 8), columns dk0 + 8 j + 2 t4 (+ 1)
+    float S[NTD][4];
+    float* st = state + ((u64)h * D + vr + g) * D + dk0 + 2 * t4;
 #pragma unroll
-    for (int j = 0; j < L::NT3; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
-            S[j][i] = state[((u64)h * D + v0 + c) * D + r];
-        }
-        put_bfrag(Ss, L::NTB, m3, n3 + 8 * j, S[j], g, t4);
+    for (int j = 0; j < NTD; ++j) {
+        const float2 a = *reinterpret_cast<const float2*>(st + 8 * j);
+        const float2 b = *reinterpret_cast<const float2*>(st + 8 * D + 8 * j);
+        S[j][0] = a.x, S[j][1] = a.y, S[j][2] = b.x, S[j][3] = b.y;
     }
+    issue_wq(0);
+    cp_commit();
 
     for (int ci = 0; ci < nchunks; ++ci) {
         const int c0 = ci * CH;
-        const bool more = ci + 1 < nchunks;
-        cp_wait<1>();
-        __syncthreads();  // WU(c) landed; S written; the last chunk's reads of kd and W done
-        stage_async<D, true>(Kb, L::LDK, kd, c0, h, H, D, 0);
+        cp_wait<0>();
+        __syncthreads();  // w, qg (ci) landed; the last chunk's reads of kd, Aqk, hand-overs done
+        stage_rows<D, CH / 4, NT>(Kb, kd + ((u64)ci * H + h) * D * CH);
+        stage_rows<CH, CH / 4, NT>(Ab, aqk + ((u64)ci * H + h) * CH * CH);
         cp_commit();
-        const float gl0 = gls[m3 + g], gl1 = gls[m3 + g + 8];
-
-        // W = u - w S
-        float acc[L::NT1][4] = {}, err[L::NT1][4] = {};
-        tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Wb, L::LDA, m1, kp, g, t4); },
-                      Ss, L::NTB, n1, lane);
+        if (ci + 1 < nchunks) issue_wq(ci + 1);
+        cp_commit();
+        // u (half 0 subtracts it) and gl reach registers while the first products run
+        float uv[NTC][4], glv[NTD][2];
+        const float* ub = u_in + (((u64)ci * H + h) * CH + 2 * t4) * D + vr + g;  // u[c][v]
 #pragma unroll
-        for (int j = 0; j < L::NT1; ++j) {
-            float wv[4];
+        for (int j = 0; j < NTC; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                wv[i] = Ub[(m1 + g + 8 * (i >> 1)) * L::LDU + n1 + 8 * j + 2 * t4 + (i & 1)] -
-                        (acc[j][i] + err[j][i]);
-            put_bfrag(Wm, L::NTB, m1, n1 + 8 * j, wv, g, t4);
+                uv[j][i] = half ? 0.0f : ub[(8 * j + (i & 1)) * D + 8 * (i >> 1)];
+#pragma unroll
+        for (int j = 0; j < NTD; ++j) {
+            const float2 x = *reinterpret_cast<const float2*>(gl + ((u64)ci * H + h) * D + dk0 +
+                                                              8 * j + 2 * t4);
+            glv[j][0] = x.x, glv[j][1] = x.y;
         }
-        __syncthreads();  // W complete; w, u, gl free
-        if (more) issue_wu(ci + 1);
-        cp_commit();
 
-        // O = qg S + Aqk W; Aqk is zero above the diagonal, so k stops at this row block's end
-        cp_wait<2>();
-        __syncthreads();  // QA(c) landed
+        // W^T and O^T over this half's dimensions. O's slot j is t-tile (j + HT half) % NTC:
+        // slots below HT are the tiles this warp finishes, the rest its partner's.
+        const unsigned* wb = smw + L::W_OFF + (ci & 1) * CH * D;
+        const unsigned* qb = smw + L::Q_OFF + (ci & 1) * CH * D;
+        float P[NTC][4] = {}, O[NTC][4] = {};
 #pragma unroll
-        for (int j = 0; j < L::NT1; ++j)
+        for (int ks = 0; ks < DK / 16; ++ks) {
+            const Frag a = frag_of(S[2 * ks], S[2 * ks + 1]);
+            const int kb = half * (DK / 16) + ks;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] = err[j][i] = 0.0f;
-        tiles_product(acc, err, D / 2, [&](int kp) { return frag_a(Qb, L::LDA, m1, kp, g, t4); },
-                      Ss, L::NTB, n1, lane);
-        tiles_product(acc, err, (m1 + 16) / 2,
-                      [&](int kp) { return frag_a(Ab, L::LDQ, m1, kp, g, t4); }, Wm, L::NTB, n1,
-                      lane);
-#pragma unroll
-        for (int j = 0; j < L::NT1; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; i += 2) {
-                const int t = c0 + m1 + g + 4 * i;
-                if (t < T)
-                    *reinterpret_cast<float2*>(core + ((u64)t * H + h) * D + v0 + n1 + 8 * j + 2 * t4) =
-                        make_float2(acc[j][i] + err[j][i], acc[j][i + 1] + err[j][i + 1]);
+            for (int j = 0; j < NTC; ++j) {
+                mma3_acc(P[j], a, frag_bo(wb, D, 8 * j + g, kb, t4));
+                mma3_acc(O[j], a, frag_bo(qb, D, 8 * ((j + HT * half) % NTC) + g, kb, t4));
             }
-
-        // S = gl S + kd^T W
-        cp_wait<1>();
-        __syncthreads();  // K(c) landed; every read of qg, Aqk and the old S is done
-        if (more) issue_qa(ci + 1);
-        cp_commit();
-        float se[L::NT3][4] = {};
-#pragma unroll
-        for (int j = 0; j < L::NT3; ++j)
-            S[j][0] *= gl0, S[j][1] *= gl0, S[j][2] *= gl1, S[j][3] *= gl1;
-        tiles_product(S, se, CH / 2, [&](int kp) { return frag_at(Kb, L::LDK, m3, kp, g, t4); },
-                      Wm, L::NTB, n3, lane);
-#pragma unroll
-        for (int j = 0; j < L::NT3; ++j) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) S[j][i] += se[j][i];
-            put_bfrag(Ss, L::NTB, m3, n3 + 8 * j, S[j], g, t4);
         }
+#pragma unroll
+        for (int j = 0; j < NTD; ++j)
+            S[j][0] *= glv[j][0], S[j][1] *= glv[j][1], S[j][2] *= glv[j][0], S[j][3] *= glv[j][1];
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            if (!half)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) P[j][i] = uv[j][i] - P[j][i];
+            give[j * 32 + lane] = make_float4(P[j][0], P[j][1], P[j][2], P[j][3]);
+        }
+#pragma unroll
+        for (int j = HT; j < NTC; ++j)
+            give[(NTC + j - HT) * 32 + lane] = make_float4(O[j][0], O[j][1], O[j][2], O[j][3]);
+        cp_wait<1>();
+        __syncthreads();  // kd, Aqk (ci) landed; both halves' hand-overs written
+
+        // v^T = (u^T - W^T of half 0) - W^T of half 1: the same bits in both halves
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            const float4 x = take[j * 32 + lane];
+            const float y[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) P[j][i] = half ? y[i] - P[j][i] : P[j][i] - y[i];
+        }
+#pragma unroll
+        for (int j = 0; j < HT; ++j) {
+            const float4 x = take[(NTC + j) * 32 + lane];
+            O[j][0] += x.x, O[j][1] += x.y, O[j][2] += x.z, O[j][3] += x.w;
+        }
+#pragma unroll
+        for (int ks = 0; ks < CH / 16; ++ks) {
+            const Frag a = frag_of(P[2 * ks], P[2 * ks + 1]);
+#pragma unroll
+            for (int j = 0; j < NTD; ++j)
+                mma3_acc(S[j], a, frag_bo(Kb, CH, dk0 + 8 * j + g, ks, t4));
+#pragma unroll
+            for (int j = 0; j < HT; ++j) {
+                const int tt = j + HT * half;  // Aqk[t][s] is zero for s > t
+                if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = c0 + 8 * (j + HT * half) + 2 * t4 + (i & 1);
+                if (t < T) core[(u64)t * hd + (u64)h * D + vr + g + 8 * (i >> 1)] = O[j][i];
+            }
     }
     cp_wait<0>();
 #pragma unroll
-    for (int j = 0; j < L::NT3; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = m3 + g + 8 * (i >> 1), c = n3 + 8 * j + 2 * t4 + (i & 1);
-            state[((u64)h * D + v0 + c) * D + r] = S[j][i];
-        }
+    for (int j = 0; j < NTD; ++j) {
+        *reinterpret_cast<float2*>(st + 8 * j) = make_float2(S[j][0], S[j][1]);
+        *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(S[j][2], S[j][3]);
+    }
 }
 
 #define KDA_CHUNK_INTRA(D)                                                                     \
@@ -534,7 +559,8 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }
 #define KDA_CHUNK_INTER(D, VS)                                                                 \
-    extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1) kda_chunk_inter_d##D##_v##VS(     \
+    extern "C" __global__ void __launch_bounds__((Walk<D, VS>::BLOCK), 1)                       \
+        kda_chunk_inter_d##D##_v##VS(                                                          \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
         int H) {                                                                               \

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from kdarun import kernels
@@ -18,11 +19,12 @@ PRINT_CHUNK_LAYOUTS = r"""
 #include "chunk.cu"
 #include <cstdio>
 int main() {
-    printf("CH %d\nTHREADS %d\nWALK_THREADS %d\nAP %d\nintra %d\n", CH, THREADS, WALK_THREADS,
-           AP, Intra::FLOATS * 4);
+    printf("CH %d\nTHREADS %d\nAP %d\nintra %d\n", CH, THREADS, AP, Intra::FLOATS * 4);
     printf("walk_64_32 %d\nwalk_64_64 %d\nwalk_128_32 %d\nwalk_128_64 %d\n",
            Walk<64, 32>::WORDS * 4, Walk<64, 64>::WORDS * 4, Walk<128, 32>::WORDS * 4,
            Walk<128, 64>::WORDS * 4);
+    printf("walk_block_32 %d\nwalk_block_64 %d\n", Walk<128, 32>::BLOCK, Walk<128, 64>::BLOCK);
+    for (int p = 0; p < 64; ++p) printf("bfo_%d %d\n", p, bfo_word(p));
 }
 """
 
@@ -44,7 +46,6 @@ def chunk_layouts(tmp_path_factory) -> dict[str, int]:
 def test_chunk_constants_match(chunk_layouts):
     assert chunk_layouts["CH"] == CHUNK
     assert chunk_layouts["THREADS"] == kernels.THREADS
-    assert chunk_layouts["WALK_THREADS"] == kernels.WALK_THREADS
     assert chunk_layouts["AP"] == kernels.CHUNK_AP
 
 
@@ -53,6 +54,19 @@ def test_chunk_shared_memory_matches(chunk_layouts):
     for d in (64, 128):
         for vs in kernels.WALK_SLICES:
             assert chunk_layouts[f"walk_{d}_{vs}"] == kernels.walk_smem_bytes(d, vs), (d, vs)
+    for vs in kernels.WALK_SLICES:
+        assert chunk_layouts[f"walk_block_{vs}"] == kernels.walk_threads(vs), vs
+
+
+def test_walk_order_matches(chunk_layouts):
+    """The host backend lays the chunk operands out exactly as the CUDA walk reads them."""
+    from kdarun.host_kernels import from_walk_order, to_walk_order
+    row = np.arange(128, dtype=np.uint32)  # split_words' order: hi p0, lo p0, hi p1, ...
+    placed = to_walk_order(row)
+    for p in range(64):
+        assert placed[chunk_layouts[f"bfo_{p}"]] == 2 * p  # hi of pair p
+        assert placed[chunk_layouts[f"bfo_{p}"] + 2] == 2 * p + 1  # its lo
+    assert np.array_equal(from_walk_order(placed), row)
 
 
 def test_walk_variants_are_the_compiled_ones():
