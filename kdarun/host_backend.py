@@ -52,6 +52,12 @@ class HostBackend(GpuBackend):
         self._bases.remove(addr)
         del self._bufs[addr], self._owners[addr]
 
+    def rows(self, ptr: DevicePtr, m: int, ld: int, n: int, dtype) -> np.ndarray:
+        """A writable [m, n] view of rows `ld` elements apart starting at `ptr`."""
+        flat = self.view(ptr, (int(m) - 1) * int(ld) + int(n), dtype)
+        return np.lib.stride_tricks.as_strided(flat, (int(m), int(n)),
+                                               (int(ld) * flat.itemsize, flat.itemsize))
+
     def bytes_at(self, ptr: DevicePtr, nbytes: int) -> np.ndarray:
         """The `nbytes` bytes at `ptr` as a writable uint8 view; bounds-checked."""
         addr = int(ptr)
@@ -127,9 +133,8 @@ class HostBackend(GpuBackend):
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:
-        from .host_kernels import _rows
         bf16 = ml_dtypes.bfloat16
-        av, cv = _rows(self, a, m, lda, k, bf16), _rows(self, c, m, ldc, n, bf16)
+        av, cv = self.rows(a, m, lda, k, bf16), self.rows(c, m, ldc, n, bf16)
         wv = self.view(w, (n, k), bf16)
         cv[...] = (av.astype(np.float32) @ wv.astype(np.float32).T).astype(bf16)
 

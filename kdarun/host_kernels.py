@@ -17,13 +17,6 @@ BF = ml_dtypes.bfloat16
 F32 = np.float32
 
 
-def _rows(gpu, ptr, m: int, ld: int, n: int, dtype) -> np.ndarray:
-    """[m, n] view of rows with stride `ld` elements."""
-    flat = gpu.view(ptr, (int(m) - 1) * int(ld) + int(n), dtype)
-    return np.lib.stride_tricks.as_strided(flat, (int(m), int(n)),
-                                           (int(ld) * flat.itemsize, flat.itemsize))
-
-
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
@@ -43,7 +36,7 @@ def _rsqrt_norm(x: np.ndarray, eps: float) -> np.ndarray:
 def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
     # ks: how the CUDA blocks share K among warps; one host pass needs none
     W = gpu.view(w, (n, k), BF).astype(F32)
-    X, Y = _rows(gpu, x, m, ldx, k, BF), _rows(gpu, y, m, ldy, n, BF)
+    X, Y = gpu.rows(x, m, ldx, k, BF), gpu.rows(y, m, ldy, n, BF)
     for r in range(int(m)):
         xr = np.array(X[r], dtype=F32)  # a fresh contiguous row: the same bits for any m
         Y[r] = (W @ xr).astype(BF)
@@ -66,7 +59,7 @@ def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bia
 
 # -- pack (prefill_conv_qkv and front_end_gemv pieces) ----------------------------------------
 def _pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
-    P = _rows(gpu, proj, t, ldp, 3 * qkv, BF)
+    P = gpu.rows(proj, t, ldp, 3 * qkv, BF)
     gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
     gpu.view(qkv_parts, (3, t, qkv), BF)[...] = P.reshape(t, 3, qkv).transpose(1, 0, 2)
 
@@ -94,7 +87,7 @@ def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, 
     G = gpu.view(gate, (t_pad, H, D), F32)
     G[:t], G[t:] = g, 0
     B = gpu.view(beta, (t_pad, H), F32)
-    B[:t], B[t:] = _sigmoid(_rows(gpu, b_raw, t, ldb, H, BF).astype(F32)), 0
+    B[:t], B[t:] = _sigmoid(gpu.rows(b_raw, t, ldb, H, BF).astype(F32)), 0
 
 
 # -- conv ------------------------------------------------------------------------------------
@@ -138,7 +131,7 @@ def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
 
 
 def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
-    X = _rows(gpu, x, t, ld, nvec * D, BF)
+    X = gpu.rows(x, t, ld, nvec * D, BF)
     X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
 
 
