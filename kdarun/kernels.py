@@ -160,7 +160,8 @@ class Glm5NextKdaKernels:
         """front_end_gemv's launch shape and its share and block arguments: they depend on
         the config alone, so they are worked out once (decode asks every call)."""
         c, sm = self.cfg, self.gpu.sm_count
-        early_rows = c.proj_rows - 3 * c.qkv  # f_a|g_a|b: few tiles, so every share they can use
+        qkv_rows = c.proj_col("f_a")  # q|k|v come first in the packed projection
+        early_rows = c.proj_rows - qkv_rows  # f_a|g_a|b: few tiles, so every share they can use
         ks_early = _gemv_shares(early_rows, c.hidden_size, sm)
         early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, sm)
@@ -168,9 +169,9 @@ class Glm5NextKdaKernels:
         # q|k|v: within one wave with the rest where that leaves 2 shares (kimi-linear-48b's
         # front end 18.2 us, 20.8 with 4 shares and the gates in a second wave), else 2 (large:
         # 1 share 81.2 us, 2 shares and the gates in a second wave 78.2)
-        ks = _gemv_shares(3 * c.qkv, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
+        ks = _gemv_shares(qkv_rows, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
                           at_least=2)
-        proj_blocks = early_blocks + self._gemv_cfg(3 * c.qkv, ks).grid[0]
+        proj_blocks = early_blocks + self._gemv_cfg(qkv_rows, ks).grid[0]
         cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1),
                            gemv_smem_bytes())
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
