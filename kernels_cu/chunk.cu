@@ -405,7 +405,7 @@ __device__ __forceinline__ Frag frag_bo(const unsigned* buf, int ld, int n, int 
     return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
 }
 
-// The A fragment of k-columns 16 i.. from the C fragments of columns 16 i.. (x) and 16 i + 8.. (y).
+// The A fragment of k-columns 16 i.. from the C fragments of columns 16 i.. (x), 16 i + 8.. (y).
 __device__ __forceinline__ Frag frag_of(const float x[4], const float y[4]) {
     const uint2 p0 = split_pair(x[0], x[1]), p1 = split_pair(x[2], x[3]);
     const uint2 p2 = split_pair(y[0], y[1]), p3 = split_pair(y[2], y[3]);
