@@ -1,15 +1,24 @@
-"""Developer tools that run without a GPU: the SASS mix read from an Nsight Compute listing."""
+"""Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, and
+the tree A/B's export, flattening and table."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "sass_mix", Path(__file__).resolve().parent.parent / "tools" / "sass_mix.py")
-sass_mix = sys.modules["sass_mix"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sass_mix)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sass_mix, ab_trees = _tool("sass_mix"), _tool("ab_trees")
 
 COLS = ('"Address","Source","Warp Stall Sampling (All Samples)",'
         '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed"')
@@ -46,3 +55,51 @@ def test_rows_before_the_column_names_are_refused(tmp_path):
     csv.write_text('"Kernel Name","walk",\n"0x0","EXIT","0","0","1"\n')
     with pytest.raises(ValueError, match="before the column names"):
         sass_mix.opcode_mix(csv)
+
+
+def _report(layer_ms: float, intra_ms: float, with_decode: bool = True) -> dict:
+    decode = [{"preset": "tiny", "k": 1, "graph": True, "us": 30.0}] if with_decode else []
+    prefill = [{"preset": "tiny", "tokens": 64, "ms": layer_ms, "core_ms": 0.5, "gemm_ms": 0.25,
+                "kernels_ms": {"chunk_intra": intra_ms, "conv": 0.125}}]
+    return {"decode": decode, "prefill": prefill}
+
+
+def test_figures_flatten_every_step():
+    f = ab_trees.figures(_report(2.0, 0.75))
+    assert f == {"decode tiny K=1 graph us": 30.0, "prefill tiny T=64 layer ms": 2.0,
+                 "prefill tiny T=64 core ms": 0.5, "prefill tiny T=64 GEMMs ms": 0.25,
+                 "prefill tiny T=64 chunk_intra ms": 0.75, "prefill tiny T=64 conv ms": 0.125}
+
+
+def test_table_gives_runs_and_ratio_of_medians():
+    runs = {"main": [ab_trees.figures(_report(ms, 1.0)) for ms in (2.0, 4.0, 9.0)],
+            "new": [ab_trees.figures(_report(2.0, 0.5, with_decode=False))]}
+    lines = ab_trees.table(["main", "new"], runs).splitlines()
+    assert lines[0].split() == ["figure", "main", "new", "new", "/", "main"]
+    layer = next(ln for ln in lines if ln.startswith("prefill tiny T=64 layer ms"))
+    # the median of main is 4.0 (a mean would be 5.0)
+    assert layer.split()[-7:] == ["2.000", "/", "4.000", "/", "9.000", "2.000", "0.500"]
+    intra = next(ln for ln in lines if ln.startswith("prefill tiny T=64 chunk_intra ms"))
+    assert intra.split()[-1] == "0.500"
+    decode = next(ln for ln in lines if ln.startswith("decode tiny"))
+    assert decode.split()[-2:] == ["-", "-"]  # no run of `new` has it
+
+
+def test_export_writes_each_ref_as_a_tree(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    (repo / "tools" / "gpu_check.py").write_text("# a tree\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for cmd in (["init", "-q", "-b", "wip/x"], ["add", "-A"], ["commit", "-q", "-m", "x"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    (tree,) = ab_trees.export(tmp_path / "trees", ["wip/x"], repo)
+    assert tree == tmp_path / "trees" / "wip-x"
+    assert (tree / "tools" / "gpu_check.py").read_text() == "# a tree\n"
+    with pytest.raises(FileExistsError):  # an existing tree is never overwritten
+        ab_trees.export(tmp_path / "trees", ["wip/x"], repo)
+
+
+def test_run_refuses_what_is_not_a_tree(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ab_trees.main(["run", str(tmp_path)])
+    assert "not a kdarun tree" in capsys.readouterr().err
