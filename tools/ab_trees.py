@@ -92,8 +92,10 @@ def _gpu_tests_pass(tree: Path) -> bool:
 def _measure(tree: Path, bench_args: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=str(tree), OUT=out)
-        subprocess.run([sys.executable, "tools/gpu_check.py", "--skip-tests", "--no-fla",
-                        *bench_args], cwd=tree, env=env, check=True, capture_output=True)
+        p = subprocess.run([sys.executable, "tools/gpu_check.py", "--skip-tests", "--no-fla",
+                            *bench_args], cwd=tree, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"{tree}: gpu_check failed ({p.returncode}):\n{p.stderr[-4000:]}")
         return figures(json.loads(Path(out, "gpu_check.json").read_text()))
 
 
