@@ -12,7 +12,8 @@ tree's.
 
 `export` writes DIR/<ref> (slashes become '-'); keep DIR in an ignored folder and carry it.
 `run` times each tree with its own `tools/gpu_check.py --skip-tests --no-fla`; `--tests`
-first runs each tree's GPU tests and leaves out the trees that fail them.
+first runs each tree's GPU tests (its `gpu_check.py --skip-bench`) and leaves out the trees
+that fail them.
 """
 
 from __future__ import annotations
@@ -77,15 +78,16 @@ def table(names: list[str], runs: dict[str, list[dict[str, float]]]) -> str:
 
 
 def _gpu_tests_pass(tree: Path) -> bool:
+    """The tree's own GPU tests, through its gpu_check (the same command as its CI on a GPU)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu",
-                            "-p", "no:cacheprovider", "tests/gpu"], cwd=tree, env=env,
-                           capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+        p = subprocess.run([sys.executable, "tools/gpu_check.py", "--skip-bench"], cwd=tree,
+                           env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         print(f"{tree}: GPU tests ran past {TEST_TIMEOUT_S} s: left out", flush=True)
         return False
-    print(f"{tree}: " + (p.stdout.strip().splitlines() or ["no output"])[-1], flush=True)
+    summary = [ln for ln in p.stdout.splitlines() if ln.startswith("tests:")]
+    print(f"{tree}: " + (summary[-1] if summary else p.stderr.strip()[-2000:]), flush=True)
     return p.returncode == 0
 
 
