@@ -19,6 +19,7 @@ from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer
+from .loader import release_bound
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
 from .weights import Glm5NextKdaWeights
@@ -92,14 +93,11 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
 
 def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState],
              ws: Glm5NextKdaWorkspace, h: DevicePtr) -> None:
-    """Give back what a benchmark allocated: the layers' weights and their (shared) kernel
-    set's side stream, the states, the workspace and the input rows."""
-    for layer in layers:
-        layer.weights.free(gpu)
-    layers[0].kernels.close()
+    """Give back what a benchmark allocated: the bound layers (`release_bound`), the states
+    and the input rows."""
+    release_bound(gpu, layers[0].kernels, layers, ws)
     for st in states:
         st.free()
-    ws.free()
     gpu.free(h)
 
 

@@ -47,10 +47,12 @@ def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bia
                    ks_early, ks_gate, early_blocks, proj_blocks):
     # sync and the shares and block counts: how the CUDA blocks share the work; one host pass
     # needs none
-    qkv = H * D
-    dense_gemv_bf16(gpu, w, x, proj, N, K, M, K, ldp)
-    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, M, qkv, ldp)
-    f_a = proj + 3 * qkv * 2
+    qkv, row = H * D, 3 * H * D * 2  # row: the q|k|v part of a proj row, in bytes
+    dense_gemv_bf16(gpu, w, x, qkv_proj, 3 * qkv, K, M, K, 3 * qkv)
+    gpu.view(qkv_parts, (3, M, qkv), BF)[...] = \
+        gpu.view(qkv_proj, (M, 3, qkv), BF).transpose(1, 0, 2)
+    f_a = proj + row  # f_a|g_a|b only, as the CUDA kernel writes them
+    dense_gemv_bf16(gpu, w + row * K, x, f_a, N - 3 * qkv, K, M, K, ldp)
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldp, qkv)
     dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, qkv, R, M, ldp, qkv)
     kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldp, a_log, dt_bias, gate, beta, M, M, H, D,

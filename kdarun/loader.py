@@ -28,16 +28,23 @@ class KdaStack:
 
     def free(self, gpu: GpuBackend) -> None:
         """Release every layer's weights, the workspace and the kernels' side stream."""
-        for layer in self.layers.values():
-            layer.weights.free(gpu)
-        self.workspace.free()
-        self.kernels.close()
+        release_bound(gpu, self.kernels, self.layers.values(), self.workspace)
 
     def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
         if layer_idx not in self.layers:
             raise KdaError(f"layer {layer_idx} is not loaded; loaded KDA layers (0-based): "
                            f"{sorted(self.layers)}")
         return self.layers[layer_idx]
+
+
+def release_bound(gpu: GpuBackend, kernels: Glm5NextKdaKernels,
+                  layers: Iterable[Glm5NextKdaLayer], workspace: Glm5NextKdaWorkspace) -> None:
+    """Give back what binding layers allocated: each layer's weights, the kernel set's side
+    stream (the layers share the one kernel set) and their workspace."""
+    for layer in layers:
+        layer.weights.free(gpu)
+    kernels.close()
+    workspace.free()
 
 
 def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,

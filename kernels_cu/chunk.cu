@@ -414,9 +414,7 @@ __device__ __forceinline__ Frag frag_of(const float x[4], const float y[4]) {
 
 // c += a b in 3xBF16 into one accumulator (the walk's products have 8-24 independent ones).
 __device__ __forceinline__ void mma3_acc(float c[4], const Frag& a, const Frag& b) {
-    mma_bf16(c, a.lo, b.hi);
-    mma_bf16(c, a.hi, b.lo);
-    mma_bf16(c, a.hi, b.hi);
+    mma3(c, c, a, b);
 }
 
 template <int D, int VS>

@@ -128,8 +128,9 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (rows to proj
-// [M, ldp], q|k|v also to qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv]), then from f_a and g_a
+// Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (q|k|v to
+// qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv], f_a|g_a|b to its columns of proj [M, ldp]; proj's
+// q|k|v columns are left as they are, nothing reads them), then from f_a and g_a
 // the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
 // beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
 // first (the lowest blocks), with ks_early shares each so that they finish well before the
@@ -160,10 +161,11 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
         if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
             const bf16 r = f2bf(v);
-            proj[(u64)m * ldp + n] = r;
             if (n < 3 * qkv) {
                 qkv_proj[(u64)m * 3 * qkv + n] = r;
                 qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
+            } else {
+                proj[(u64)m * ldp + n] = r;  // f_a|g_a|b: what the gate blocks read
             }
         });
         if (is_early) {
