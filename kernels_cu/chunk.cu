@@ -208,15 +208,20 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const int ncols = by_pairs ? r : r + SB;  // columns the products cover
             unsigned* Ew = reinterpret_cast<unsigned*>(Es);  // split words, pairs along d
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
-            for (int row = warp; row < ncols + 2 * SB; row += THREADS / 32) {
-                const bool col = row < ncols;  // k_s exp(G_r - G_s), else k_t or q_t exp(G_t - G_r)
-                const int src = col ? row : r + (row - ncols) % SB;  // uniform in the warp
-                const float2 x = *reinterpret_cast<const float2*>(
-                    (col || row - ncols < SB ? Ks : Qs) + src * P + c2);
-                const float2 G = *reinterpret_cast<const float2*>(Gs + src * P + c2);
-                const float sgn = col ? -1.0f : 1.0f;
-                *reinterpret_cast<uint2*>(Ew + (col ? row : CH + row - ncols) * PE + c2) =
-                    split_pair(x.x * __expf(sgn * (G.x - Gr.x)), x.y * __expf(sgn * (G.y - Gr.y)));
+            // two loops, each with its sign and source fixed: a fifth of this kernel's
+            // instructions are these rows, rebuilt for every block row
+            for (int s = warp; s < ncols; s += THREADS / 32) {  // k_s exp(G_r - G_s)
+                const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
+                const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);
+                *reinterpret_cast<uint2*>(Ew + s * PE + c2) =
+                    split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
+            }
+            for (int i = warp; i < 2 * SB; i += THREADS / 32) {  // k_t, then q_t, exp(G_t - G_r)
+                const int t = r + (i < SB ? i : i - SB);
+                const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
+                const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);
+                *reinterpret_cast<uint2*>(Ew + (CH + i) * PE + c2) =
+                    split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
             }
             __syncthreads();
             // [2 SB, ncols] += [2 SB, DH] x [DH, ncols]: m-tile 0 adds to A, m-tile 1 to Aqk;
@@ -281,7 +286,8 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     constexpr int LX = CH + 8;           // split-word rows of token pairs: reads hit bank 8g + 2t
     constexpr int XK = CH - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
-    constexpr int DG = SB + 1;           // diagonal blocks' rows (fp32)
+    constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
+                            // same-address reads of a row go four at a time
     constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * D * LX;
     static_assert(DG_OFF + (CH / SB) * SB * DG <= L::A_OFF,
                   "X and the diagonal blocks fit below A");
@@ -307,6 +313,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     float* dst = col < D ? u_out + blk + dc : w_out + blk + bfo_word(dc / 2) + 2 * (dc & 1);
     for (int bi = 0; bi < CH / SB; ++bi) {
         const int r0 = bi * SB;
+        // this block's right-hand sides, all in flight before the product below: loaded one
+        // row at a time inside the substitution, each load's latency sat in its chain
+        float rhs[SB];
+        if (col < D) {
+#pragma unroll
+            for (int r = 0; r < SB; ++r)
+                rhs[r] = pick(c0 + r0 + r < T, __ldg(v + row0 + (r0 + r) * rstride + dc));
+        } else if (col < 2 * D) {
+#pragma unroll
+            for (int r = 0; r < SB; ++r) rhs[r] = w_out[blk + (r0 + r) * D + dc];
+        }
         if (bi > 0) {
             // C [SB, 2D] = A[r0.., :r0] X[:r0, :]: a warp takes 2D / 8 / 8 column tiles
             constexpr int NT = 2 * D / 8 / (THREADS / 32);
@@ -332,13 +349,10 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const float* dg = Dg + bi * SB * DG;
 #pragma unroll
             for (int r = 0; r < SB; ++r) {
-                const int t = r0 + r;
-                const float rhs = col < D ? pick(c0 + t < T, __ldg(v + row0 + t * rstride + dc))
-                                          : w_out[blk + t * D + dc];
                 float acc = bi > 0 ? Cs[r * LC + col] : 0.0f;
 #pragma unroll
                 for (int s2 = 0; s2 < r; ++s2) acc = __fmaf_rn(dg[r * DG + s2], x[s2], acc);
-                x[r] = Bs[t] * (rhs - acc);
+                x[r] = Bs[r0 + r] * (rhs[r] - acc);
             }
             __syncwarp();  // the warp's reads of these rows' right-hand sides are done
 #pragma unroll
