@@ -270,13 +270,16 @@ class Glm5NextKdaKernels:
                       ptr("chunk_aqk"), i32(t), i32(t_pad), i32(H), f32(c.scale)), stream)
 
     def kda_chunk_inter(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr,
-                        t: int) -> None:
+                        t: int, vs: int | None = None) -> None:
         """The sequential walk over the chunks from the intra factors, carrying state
-        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t."""
+        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t; vs state
+        columns a block (one of WALK_SLICES; `walk_slice()` when None)."""
+        vs = self.walk_slice() if vs is None else vs
+        if vs not in WALK_SLICES:
+            raise KdaError(f"kda_chunk_inter: vs must be one of {WALK_SLICES}, got {vs!r}")
         c = self.cfg
         D, t_pad = c.head_dim, c.t_pad(t)
         H, ptr = c.num_heads, ws.ptr
-        vs = self.walk_slice()
         self._launch("chunk", f"kda_chunk_inter_d{D}_v{vs}",
                      LaunchConfig((H, D // vs, 1), (walk_threads(vs), 1, 1),
                                   walk_smem_bytes(D, vs)),

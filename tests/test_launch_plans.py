@@ -1,12 +1,13 @@
-"""The GEMV launch plans: share counts the kernels can take, and a front end whose block
-counts cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to
-tiles by these counts; a tile no block covers would leave its outputs unwritten)."""
+"""The launch plans: GEMV share counts the kernels can take, a front end whose block counts
+cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to tiles by
+these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices."""
 
 from __future__ import annotations
 
 import pytest
 
 from kdarun import kernels, open_backend, synthetic
+from kdarun.backend import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
 
@@ -42,3 +43,10 @@ def test_front_end_plan_covers_every_tile(preset):
         per_block = GEMV_WARPS // shares
         assert (blocks - 1) * per_block < tiles <= blocks * per_block
     assert launch.shared_mem == kernels.gemv_smem_bytes()
+
+
+def test_walk_slice_is_one_compiled():
+    kn = Glm5NextKdaKernels(open_backend("host"), synthetic.preset_config("tiny"))
+    assert kn.walk_slice() in kernels.WALK_SLICES
+    with pytest.raises(KdaError, match=r"vs must be one of \(32, 64\), got 48"):
+        kn.kda_chunk_inter(0, None, DevicePtr(64), 64, vs=48)
