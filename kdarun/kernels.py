@@ -30,6 +30,7 @@ THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS 
 CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
+NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
 i32, f32 = np.int32, np.float32
 
@@ -299,7 +300,9 @@ class Glm5NextKdaKernels:
                       out: DevicePtr, t: int) -> None:
         """core [t, H, D] fp32 -> out [t, qkv] bf16 = RMSNorm_D(core) * w * sigmoid(out_gate)."""
         c = self.cfg
-        cfg = LaunchConfig((_blocks(t * c.num_heads, THREADS // 32), 1, 1), (THREADS, 1, 1))
+        vectors = _blocks(t * c.num_heads, THREADS // 32)  # blocks of a warp a vector
+        cfg = LaunchConfig((min(self.gpu.sm_count * NORM_BLOCKS_PER_SM, vectors), 1, 1),
+                           (THREADS, 1, 1))  # at most one wave, grid-stride
         self._launch("norm", "gated_rmsnorm", cfg,
                      (core, out_gate, w, out, i32(t), i32(c.num_heads), i32(c.head_dim),
                       f32(c.rms_norm_eps)), stream)
