@@ -185,8 +185,8 @@ class Glm5NextKdaKernels:
         """Decode's front end over m rows of hidden [m, hidden] bf16, one launch: the packed
         projection, q|k|v to qkv_proj and qkv_parts and f_a|g_a|b to their columns of proj
         [m, proj_width] (its q|k|v columns are not written), then from f_a|g_a|b g_raw and
-        the forget gate, out_gate and beta. sync [2] int32
-        orders the gates after the rows they read; zero on entry, left zero."""
+        the forget gate, out_gate and beta. sync [2] int32 orders the gates after the rows
+        they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         cfg, shares = self._front_end_plan

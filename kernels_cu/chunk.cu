@@ -208,8 +208,8 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const int ncols = by_pairs ? r : r + SB;  // columns the products cover
             unsigned* Ew = reinterpret_cast<unsigned*>(Es);  // split words, pairs along d
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
-            // two loops, each with its sign and source fixed: a fifth of this kernel's
-            // instructions are these rows, rebuilt for every block row
+            // two loops, each with its sign and source fixed (no select, sign multiply or
+            // modulo an element): these rows are rebuilt for every block row
             for (int s = warp; s < ncols; s += THREADS / 32) {  // k_s exp(G_r - G_s)
                 const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);

@@ -129,8 +129,8 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 }
 
 // Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (q|k|v to
-// qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv], f_a|g_a|b to its columns of proj [M, ldp]; proj's
-// q|k|v columns are left as they are, nothing reads them), then from f_a and g_a
+// qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv], f_a|g_a|b to its columns of proj [M, ldp];
+// proj's q|k|v columns are left as they are, nothing reads them), then from f_a and g_a
 // the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
 // beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
 // first (the lowest blocks), with ks_early shares each so that they finish well before the

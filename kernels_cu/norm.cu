@@ -35,7 +35,8 @@ extern "C" __global__ void gated_rmsnorm(const float* __restrict__ core,
                                          int T, int H, int D, float eps) {
     const int lane = threadIdx.x & 31;
     const u64 n = (u64)T * H, stride = (u64)gridDim.x * (blockDim.x >> 5);
-    for (u64 vec = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); vec < n; vec += stride) {
+    for (u64 vec = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); vec < n;
+         vec += stride) {
         if (D == 128) gated_rmsnorm_vec<4>(core, out_gate, w, out, vec, lane, D, eps);
         else gated_rmsnorm_vec<2>(core, out_gate, w, out, vec, lane, D, eps);
     }
