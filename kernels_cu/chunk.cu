@@ -563,6 +563,8 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
     }
 }
 
+// T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
+// those of the host twin, which loops over it.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \

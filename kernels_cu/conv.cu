@@ -10,9 +10,8 @@
 // One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,
 // reading q|k|v straight from the packed projection proj [T, ldp]. It keeps the last W-1 input
 // rows in registers, so each input row is read once (plus W-1 rows of warm-up a run) instead
-// of once per tap (the taps of other tokens came from L2). A head
-// vector's D/8 threads are adjacent lanes, so the L2 norm reduces with shuffles inside the
-// group. It writes every buffer the stages expose in one pass: qkv_proj and qkv_parts (the
+// of once per tap (the taps of other tokens came from L2). A head vector's D/8 threads are
+// adjacent lanes, so the L2 norm reduces with shuffles inside the group. It writes every buffer the stages expose in one pass: qkv_proj and qkv_parts (the
 // inputs), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those bf16
 // values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill
 // so the chunk kernels' guard past T is exercised.
@@ -49,7 +48,8 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
     uint4 win[MAX_W - 1];  // slot k: input row t - (MAX_W - 1) + k
 #pragma unroll
     for (int k = 0; k < MAX_W - 1; ++k)
-        if (k >= s0 && t0 < T) win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (MAX_W - 1) + k, c);
+        if (k >= s0 && t0 < T)
+            win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (MAX_W - 1) + k, c);
     for (int t = t0; t < t1; ++t) {
         if (t >= T) {  // the whole group: t is shared
             const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);

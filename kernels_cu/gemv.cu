@@ -7,8 +7,9 @@
 // slower than whole 256-byte runs (stand-alone on an H200: kimi-linear-48b's projection 17.4
 // vs 16.2 us, large's 78.4 vs 71.7 us). It multiplies on tensor cores (fragments by
 // ldmatrix) with the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows
-// cost the same instructions as one. The k order, the MMA chains and the sum over shares are fixed and an
-// output column depends on no other column: decode_k is bit-identical to K decodes.
+// cost the same instructions as one. The k order, the MMA chains and the sum over shares are
+// fixed and an output column depends on no other column: decode_k is bit-identical to K
+// decodes.
 #include "gate.cuh"
 
 #define MAX_ROWS 8  // token rows: the MMA's N
