@@ -11,10 +11,11 @@
 // reading q|k|v straight from the packed projection proj [T, ldp]. It keeps the last W-1 input
 // rows in registers, so each input row is read once (plus W-1 rows of warm-up a run) instead
 // of once per tap (the taps of other tokens came from L2). A head vector's D/8 threads are
-// adjacent lanes, so the L2 norm reduces with shuffles inside the group. It writes every buffer the stages expose in one pass: qkv_proj and qkv_parts (the
-// inputs), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those bf16
-// values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill
-// so the chunk kernels' guard past T is exercised.
+// adjacent lanes, so the L2 norm reduces with shuffles inside the group. It writes every
+// buffer the stages expose in one pass: qkv_proj and qkv_parts (the inputs), conv_out (conv +
+// SiLU rounded to bf16, then for q/k the L2 norm of those bf16 values rounded again) and its
+// fp32 widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill so the chunk kernels' guard
+// past T is exercised.
 __device__ __forceinline__ uint4 conv_input(const bf16* proj, int ldp, const bf16* state,
                                             int conv_dim, int W, int r, int c) {
     return r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
