@@ -33,12 +33,6 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
 // hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
 // ~1e-5, fp32-like for this core); the operands are split once, where they are produced, so
 // no inner loop converts anything.
-__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {  // x0 in the low half
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
-    return r;
-}
-
 __device__ __forceinline__ uint2 split_pair(float x0, float x1) {
     const unsigned hi = pack_bf16x2(x0, x1);
     return make_uint2(hi, pack_bf16x2(x0 - __uint_as_float(hi << 16),

@@ -15,6 +15,15 @@ __device__ __forceinline__ bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
+// Two floats rounded to bf16 (nearest even, as f2bf) in one instruction, x0 in the low half:
+// f2bf's integer rounding and NaN test cost seven instructions an element. A NaN comes out as
+// the canonical bf16 NaN, not f2bf's quieted payload.
+__device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+
 // Unpack 8 bf16 held in a 16-byte vector.
 __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};

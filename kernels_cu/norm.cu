@@ -21,9 +21,9 @@ __device__ void gated_rmsnorm_vec(const float* __restrict__ core, const bf16* __
     for (int e = 0; e < DL; e += 2) {
         const unsigned gp = *reinterpret_cast<const unsigned*>(out_gate + o + e);
         const float2 wp = *reinterpret_cast<const float2*>(w + DL * lane + e);
-        const bf16 r0 = f2bf(v[e] * inv * wp.x * sigmoidf_(__uint_as_float(gp << 16)));
-        const bf16 r1 = f2bf(v[e + 1] * inv * wp.y * sigmoidf_(__uint_as_float(gp & 0xffff0000u)));
-        *reinterpret_cast<unsigned*>(out + o + e) = r0 | (unsigned)r1 << 16;
+        *reinterpret_cast<unsigned*>(out + o + e) =
+            pack_bf16x2(v[e] * inv * wp.x * sigmoidf_(__uint_as_float(gp << 16)),
+                        v[e + 1] * inv * wp.y * sigmoidf_(__uint_as_float(gp & 0xffff0000u)));
     }
 }
 
