@@ -40,7 +40,10 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+// By the fast exp and division: a few ulp in fp32, below what the bf16 outputs and the core's
+// 1e-4 tolerance resolve. expf and an IEEE division (with its slow-path branch) an element were,
+// with f2bf, the prefill conv's largest instruction shares. 1 + exp(-x) overflowing gives 0.
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 // c += a b on tensor cores, one m16n8k16 step: bf16 operands as packed pairs (lower k index in
 // the low half), fp32 accumulators. Fragment ownership: lane = 4 g + t holds A rows g and g+8,
