@@ -292,7 +292,8 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
-    "conv": {"prefill_conv_qkv": prefill_conv_qkv, "conv_roll_state": conv_roll_state},
+    "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
+             "conv_roll_state": conv_roll_state},
     "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}_v{vs}": _kda_chunk_inter(d) for d in (64, 128)

@@ -215,6 +215,12 @@ class Glm5NextKdaKernels:
                       i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
 
     # -- conv ------------------------------------------------------------------------------
+    @property
+    def prefill_conv_name(self) -> str:
+        """The prefill conv kernel for this config's width: conv.cu has one with W = 4 as a
+        literal, and one for any width."""
+        return "prefill_conv_qkv_w4" if self.cfg.conv_kernel == 4 else "prefill_conv_qkv"
+
     def prefill_conv_qkv(self, stream: int, proj: DevicePtr, conv_state: DevicePtr,
                          conv_w: DevicePtr, qkv_proj: DevicePtr, qkv_parts: DevicePtr,
                          conv_out: DevicePtr, q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int,
@@ -226,7 +232,7 @@ class Glm5NextKdaKernels:
         c = self.cfg
         t_pad = c.t_pad(t)
         threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
-        self._launch("conv", "prefill_conv_qkv", _cfg1d(threads),
+        self._launch("conv", self.prefill_conv_name, _cfg1d(threads),
                      (proj, i32(c.proj_width), conv_state, conv_w, qkv_proj, qkv_parts, conv_out,
                       q, k, v, i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim),
                       i32(c.conv_kernel), f32(pad_fill)), stream)

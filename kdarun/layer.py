@@ -226,7 +226,7 @@ class Glm5NextKdaLayer:
         self._ws_stage(gpu, side, ws, "beta", "kda_gate_beta", t)
         steps["conv"](stream)
         for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
-            self._ws_stage(gpu, stream, ws, name, "prefill_conv_qkv", t)
+            self._ws_stage(gpu, stream, ws, name, kn.prefill_conv_name, t)
         self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
         kn.join(stream)
         steps["chunk_intra"](stream)

@@ -22,13 +22,13 @@ __device__ __forceinline__ uint4 conv_input(const bf16* proj, int ldp, const bf1
                  : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
 }
 
-// Four blocks an SM, 64 registers a thread: left free, ptxas takes 71 (three blocks an SM).
-extern "C" __global__ void __launch_bounds__(256, 4)
-prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,
-                 const float* __restrict__ w, bf16* __restrict__ qkv_proj,
-                 bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, float* __restrict__ qf,
-                 float* __restrict__ kf, float* __restrict__ vf, int T, int T_pad, int H, int D,
-                 int W, float pad_fill) {
+// One thread's run, with the taps right-aligned in NW slots (NW >= W).
+template <int NW>
+__device__ __forceinline__ void conv_thread(
+    const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,
+    const float* __restrict__ w, bf16* __restrict__ qkv_proj, bf16* __restrict__ qkv_parts,
+    bf16* __restrict__ conv_out, float* __restrict__ qf, float* __restrict__ kf,
+    float* __restrict__ vf, int T, int T_pad, int H, int D, int W, float pad_fill) {
     const int group = D / 8;  // threads a head vector (8 or 16: groups never straddle a warp)
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long item = gid / group;
@@ -42,16 +42,16 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
     // runs, and a group in the padded tail skips the shuffles without leaving the loop.
     const unsigned gmask = (0xffffffffu >> (32 - group)) << ((threadIdx.x & 31) & ~(group - 1));
     float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (vec % H) * D + 8 * part;
-    // Taps sit right-aligned in MAX_W slots (tap j of W in slot MAX_W - W + j), so every array
+    // Taps sit right-aligned in NW slots (tap j of W in slot NW - W + j), so every array
     // index is a compile-time constant and the window stays in registers; slots before the
     // first tap are skipped, never multiplied. (The weights held in registers too took 138
     // registers a thread: they are re-read from L1 each token instead.)
-    const int s0 = MAX_W - W;
-    uint4 win[MAX_W - 1];  // slot k: input row t - (MAX_W - 1) + k
+    const int s0 = NW - W;
+    uint4 win[NW - 1];  // slot k: input row t - (NW - 1) + k
 #pragma unroll
-    for (int k = 0; k < MAX_W - 1; ++k)
+    for (int k = 0; k < NW - 1; ++k)
         if (k >= s0 && t0 < T)
-            win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (MAX_W - 1) + k, c);
+            win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (NW - 1) + k, c);
     for (int t = t0; t < t1; ++t) {
         if (t >= T) {  // the whole group: t is shared
             const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
@@ -62,10 +62,10 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
         const uint4 xin = conv_input(proj, ldp, state, conv_dim, W, t, c);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int k = 0; k < MAX_W; ++k) {  // taps oldest first, as the one-token form sums them
+        for (int k = 0; k < NW; ++k) {  // taps oldest first, as the one-token form sums them
             if (k < s0) continue;
             float x[8];
-            unpack8(k == MAX_W - 1 ? xin : win[k < MAX_W - 1 ? k : 0], x);
+            unpack8(k == NW - 1 ? xin : win[k < NW - 1 ? k : 0], x);
             const float* wk = w + (u64)(k - s0) * conv_dim + c;  // L1-resident across the run
             const float4 w0 = __ldg(reinterpret_cast<const float4*>(wk));
             const float4 w1 = __ldg(reinterpret_cast<const float4*>(wk + 4));
@@ -74,8 +74,8 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
             for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
         }
 #pragma unroll
-        for (int k = 0; k < MAX_W - 2; ++k) win[k] = win[k + 1];
-        win[MAX_W - 2] = xin;
+        for (int k = 0; k < NW - 2; ++k) win[k] = win[k + 1];
+        win[NW - 2] = xin;
         *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
         *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
         // bf16 roundings a pair at a time (pack_bf16x2): Nsight Compute counted this kernel
@@ -105,6 +105,27 @@ prefill_conv_qkv(const bf16* __restrict__ proj, int ldp, const bf16* __restrict_
         reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = make_float4(f[0], f[1], f[2], f[3]);
         reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
+}
+
+#define PREFILL_CONV_ARGS                                                                     \
+    const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,                    \
+        const float* __restrict__ w, bf16* __restrict__ qkv_proj, bf16* __restrict__ qkv_parts, \
+        bf16* __restrict__ conv_out, float* __restrict__ qf, float* __restrict__ kf,            \
+        float* __restrict__ vf, int T, int T_pad, int H, int D, int W, float pad_fill
+
+// Any width up to MAX_W, taps chosen at run time. Four blocks an SM, 64 registers a thread:
+// left free, ptxas takes 71 (three blocks an SM).
+extern "C" __global__ void __launch_bounds__(256, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
+    conv_thread<MAX_W>(proj, ldp, state, w, qkv_proj, qkv_parts, conv_out, qf, kf, vf, T, T_pad,
+                       H, D, W, pad_fill);
+}
+
+// The width of every Kimi Linear checkpoint, as a literal: no tap is tested at run time and
+// the window holds three rows, not seven (48 registers against 64). kernels.py launches it
+// when W == 4, so its W argument is always 4.
+extern "C" __global__ void __launch_bounds__(256) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
+    conv_thread<4>(proj, ldp, state, w, qkv_proj, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H,
+                   D, 4, pad_fill);
 }
 
 // After prefill_conv_qkv: the state becomes the last W-1 rows of (state ++ x). New row j

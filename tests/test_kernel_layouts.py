@@ -86,6 +86,16 @@ def test_conv_tokens_match():
     assert int(re.search(r"^#define CONV_TOKENS (\d+)", src, re.M).group(1)) == kernels.CONV_TOKENS
 
 
+def test_conv_kernels_exist_on_both_backends():
+    """kernels.py launches prefill_conv_qkv_w4 for width 4 and prefill_conv_qkv otherwise."""
+    from kdarun.host_kernels import HOST_KERNELS
+    src = (kernels_dir() / "conv.cu").read_text()
+    compiled = set(re.findall(r'^extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?'
+                              r'(\w+)\(', src, re.M))
+    names = {"prefill_conv_qkv", "prefill_conv_qkv_w4", "conv_roll_state"}
+    assert names <= compiled and names <= set(HOST_KERNELS["conv"])
+
+
 def test_gemv_constants_match():
     src = (kernels_dir() / "gemv.cu").read_text()
     define = lambda name: int(re.search(rf"^#define {name} (\d+)", src, re.M).group(1))  # noqa: E731

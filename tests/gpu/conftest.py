@@ -26,14 +26,15 @@ def cuda():
 
 @pytest.fixture(scope="session")
 def gpu_ckpts(tmp_path_factory) -> dict[str, str]:
-    """Checkpoints the GPU tests run on: both gates at D=64 (tiny), a D=128 stack with an odd
-    hidden size, and extreme gates."""
+    """Checkpoints the GPU tests run on: both gates at D=64 (tiny, conv width 4), a D=128 stack
+    with an odd hidden size and conv width 3 (the prefill conv's generic kernel; width 4 has
+    its own), and extreme gates."""
     specs = {
         "softplus": synthetic.preset_config("tiny", "softplus", layers=4),
         "bounded": synthetic.preset_config("tiny", "bounded", layers=4, lower_bound=-3.0),
         "d128": Glm5NextKdaConfig(hidden_size=1000, num_heads=2, head_dim=128,
-                                            rms_norm_eps=1e-5, num_hidden_layers=2,
-                                            kda_layers=(0, 1)),
+                                            conv_kernel=3, rms_norm_eps=1e-5,
+                                            num_hidden_layers=2, kda_layers=(0, 1)),
     }
     out = {}
     for name, cfg in specs.items():
