@@ -52,6 +52,21 @@ __device__ __forceinline__ void conv_thread(
     for (int k = 0; k < NW - 1; ++k)
         if (k >= s0 && t0 < T)
             win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (NW - 1) + k, c);
+    // a narrow window's weights stay in registers for the run (32 at W = 4); the wide generic
+    // one's would take 138 registers a thread, so it re-reads them from L1 each token
+    constexpr bool HOLD = NW <= 4;
+    float wr[HOLD ? NW : 1][8];
+    if (HOLD) {
+#pragma unroll
+        for (int k = 0; k < (HOLD ? NW : 1); ++k) {
+            if (k < s0) continue;
+            const float* wk = w + (u64)(k - s0) * conv_dim + c;
+            const float4 w0 = __ldg(reinterpret_cast<const float4*>(wk));
+            const float4 w1 = __ldg(reinterpret_cast<const float4*>(wk + 4));
+            wr[k][0] = w0.x, wr[k][1] = w0.y, wr[k][2] = w0.z, wr[k][3] = w0.w;
+            wr[k][4] = w1.x, wr[k][5] = w1.y, wr[k][6] = w1.z, wr[k][7] = w1.w;
+        }
+    }
     for (int t = t0; t < t1; ++t) {
         if (t >= T) {  // the whole group: t is shared
             const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
@@ -66,10 +81,17 @@ __device__ __forceinline__ void conv_thread(
             if (k < s0) continue;
             float x[8];
             unpack8(k == NW - 1 ? xin : win[k < NW - 1 ? k : 0], x);
-            const float* wk = w + (u64)(k - s0) * conv_dim + c;  // L1-resident across the run
-            const float4 w0 = __ldg(reinterpret_cast<const float4*>(wk));
-            const float4 w1 = __ldg(reinterpret_cast<const float4*>(wk + 4));
-            const float wj[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+            float wj[8];
+            if (HOLD) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) wj[e] = wr[HOLD ? k : 0][e];
+            } else {
+                const float* wk = w + (u64)(k - s0) * conv_dim + c;  // L1-resident across the run
+                const float4 w0 = __ldg(reinterpret_cast<const float4*>(wk));
+                const float4 w1 = __ldg(reinterpret_cast<const float4*>(wk + 4));
+                wj[0] = w0.x, wj[1] = w0.y, wj[2] = w0.z, wj[3] = w0.w;
+                wj[4] = w1.x, wj[5] = w1.y, wj[6] = w1.z, wj[7] = w1.w;
+            }
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
         }
