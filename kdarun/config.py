@@ -1,6 +1,6 @@
 """Glm5NextKdaConfig: the shape facts of one KDA block, read from an HF `config.json`.
 
-Every derived size (qkv, conv_dim, the packed projection width, T_pad) is a property
+Every derived size (qkv, conv_dim, the gate_in width, T_pad) is a property
 here, so no other module re-derives it.
 """
 
@@ -86,22 +86,27 @@ class Glm5NextKdaConfig:
 
     @property
     def proj_rows(self) -> int:
-        """Outputs of the packed input projection: q|k|v|f_a|g_a|b."""
-        return self.conv_dim + 2 * self.rank + self.num_heads
+        """Rows of the packed input projection weight w_in: q|k|v (conv_dim) then
+        f_a|g_a|b (gate_in_rows)."""
+        return self.conv_dim + self.gate_in_rows
 
-    def proj_col(self, part: str) -> int:
-        """First column of `part` (q, k, v, f_a, g_a or b) in a packed projection row."""
-        cols = {"q": 0, "k": self.qkv, "v": 2 * self.qkv, "f_a": self.conv_dim,
-                "g_a": self.conv_dim + self.rank, "b": self.conv_dim + 2 * self.rank}
+    @property
+    def gate_in_rows(self) -> int:
+        """f_a|g_a|b, the projection outputs after q|k|v: the low-rank gates' inputs and b."""
+        return 2 * self.rank + self.num_heads
+
+    def gate_in_col(self, part: str) -> int:
+        """First column of `part` (f_a, g_a or b) in a row of the gate_in buffer."""
+        cols = {"f_a": 0, "g_a": self.rank, "b": 2 * self.rank}
         if part not in cols:
-            raise KdaError(f"proj_col: unknown part {part!r}; expected one of {sorted(cols)}")
+            raise KdaError(f"gate_in_col: unknown part {part!r}; expected one of {sorted(cols)}")
         return cols[part]
 
     @property
-    def proj_width(self) -> int:
-        """Row stride of the packed projection buffer: `proj_rows` rounded up to 8 so
-        every row starts 16-byte aligned."""
-        return -(-self.proj_rows // 8) * 8
+    def gate_in_width(self) -> int:
+        """Row stride of the gate_in buffer: `gate_in_rows` rounded up to 8 so every row
+        starts 16-byte aligned."""
+        return -(-self.gate_in_rows // 8) * 8
 
     @property
     def gate_form(self) -> str:

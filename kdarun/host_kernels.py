@@ -42,28 +42,26 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
         Y[r] = (W @ xr).astype(BF)
 
 
-def front_end_gemv(gpu, w, x, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
-                   out_gate, gate, beta, sync, N, K, M, ldp, H, D, R, lower_bound, bounded, ks,
+def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
+                   out_gate, gate, beta, sync, N, K, M, ldg, H, D, R, lower_bound, bounded, ks,
                    ks_early, ks_gate, early_blocks, proj_blocks):
     # sync and the shares and block counts: how the CUDA blocks share the work; one host pass
     # needs none
-    qkv, row = H * D, 3 * H * D * 2  # row: the q|k|v part of a proj row, in bytes
+    qkv = H * D
     dense_gemv_bf16(gpu, w, x, qkv_proj, 3 * qkv, K, M, K, 3 * qkv)
-    gpu.view(qkv_parts, (3, M, qkv), BF)[...] = \
-        gpu.view(qkv_proj, (M, 3, qkv), BF).transpose(1, 0, 2)
-    f_a = proj + row  # f_a|g_a|b only, as the CUDA kernel writes them
-    dense_gemv_bf16(gpu, w + row * K, x, f_a, N - 3 * qkv, K, M, K, ldp)
-    dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldp, qkv)
-    dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, qkv, R, M, ldp, qkv)
-    kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldp, a_log, dt_bias, gate, beta, M, M, H, D,
+    _split_qkv(gpu, qkv_proj, qkv_parts, M, qkv)
+    f_a = gate_in  # then g_a, then b
+    dense_gemv_bf16(gpu, w + 3 * qkv * K * 2, x, f_a, N - 3 * qkv, K, M, K, ldg)
+    dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldg, qkv)
+    dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, qkv, R, M, ldg, qkv)
+    kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldg, a_log, dt_bias, gate, beta, M, M, H, D,
                   lower_bound, bounded)
 
 
-# -- pack (prefill_conv_qkv and front_end_gemv pieces) ----------------------------------------
-def _pack_qkv(gpu, proj, qkv_parts, qkv_proj, t, qkv, ldp):
-    P = gpu.rows(proj, t, ldp, 3 * qkv, BF)
-    gpu.view(qkv_proj, (t, 3 * qkv), BF)[...] = P
-    gpu.view(qkv_parts, (3, t, qkv), BF)[...] = P.reshape(t, 3, qkv).transpose(1, 0, 2)
+# -- qkv_parts (prefill_conv_qkv and front_end_gemv pieces) -----------------------------------
+def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv):
+    gpu.view(qkv_parts, (3, t, qkv), BF)[...] = \
+        gpu.view(qkv_proj, (t, 3, qkv), BF).transpose(1, 0, 2)
 
 
 def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
@@ -118,10 +116,10 @@ def _conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
     gpu.view(out, (t, conv_dim), BF)[...] = y.astype(BF)
 
 
-def prefill_conv_qkv(gpu, proj, ldp, conv_state, conv_w, qkv_proj, qkv_parts, conv_out, q, k, v,
-                     T, T_pad, H, D, W, pad_fill):
+def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, T, T_pad,
+                     H, D, W, pad_fill):
     qkv = H * D
-    _pack_qkv(gpu, proj, qkv_parts, qkv_proj, T, qkv, ldp)
+    _split_qkv(gpu, qkv_proj, qkv_parts, T, qkv)
     _conv_prefill(gpu, qkv_proj, conv_state, conv_w, conv_out, T, 3 * qkv, W)
     _l2_norm_bf16(gpu, conv_out, T, 3 * qkv, 2 * H, D)
     _widen_f32(gpu, conv_out, q, k, v, T, T_pad, qkv, pad_fill)

@@ -161,8 +161,8 @@ class Glm5NextKdaKernels:
         """front_end_gemv's launch shape and its share and block arguments: they depend on
         the config alone, so they are worked out once (decode asks every call)."""
         c, sm = self.cfg, self.gpu.sm_count
-        qkv_rows = c.proj_col("f_a")  # q|k|v come first in the packed projection
-        early_rows = c.proj_rows - qkv_rows  # f_a|g_a|b: few tiles, so every share they can use
+        qkv_rows = c.conv_dim  # q|k|v come first in the packed projection
+        early_rows = c.gate_in_rows  # f_a|g_a|b: few tiles, so every share they can use
         ks_early = _gemv_shares(early_rows, c.hidden_size, sm)
         early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, sm)
@@ -177,23 +177,23 @@ class Glm5NextKdaKernels:
                            gemv_smem_bytes())
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
 
-    def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, proj: DevicePtr,
+    def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
         """Decode's front end over m rows of hidden [m, hidden] bf16, one launch: the packed
-        projection, q|k|v to qkv_proj and qkv_parts and f_a|g_a|b to their columns of proj
-        [m, proj_width] (its q|k|v columns are not written), then from f_a|g_a|b g_raw and
+        projection, q|k|v to qkv_proj and qkv_parts and f_a|g_a|b to gate_in
+        [m, gate_in_width], then from f_a|g_a|b g_raw and
         the forget gate, out_gate and beta. sync [2] int32 orders the gates after the rows
         they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         cfg, shares = self._front_end_plan
         self._launch("gemv", "front_end_gemv", cfg,
-                     (w_in, hidden, proj, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
+                     (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
-                      i32(c.proj_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
+                      i32(c.gate_in_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
                       *self._gate_form(), *shares), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
@@ -221,21 +221,20 @@ class Glm5NextKdaKernels:
         literal, and one for any width."""
         return "prefill_conv_qkv_w4" if self.cfg.conv_kernel == 4 else "prefill_conv_qkv"
 
-    def prefill_conv_qkv(self, stream: int, proj: DevicePtr, conv_state: DevicePtr,
-                         conv_w: DevicePtr, qkv_proj: DevicePtr, qkv_parts: DevicePtr,
-                         conv_out: DevicePtr, q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int,
-                         pad_fill: float) -> None:
-        """Prefill over t tokens of proj's q|k|v columns: qkv_proj [t, conv_dim] and
-        qkv_parts [3, t, qkv] (the inputs), conv_out (conv + SiLU to bf16, then q/k L2
-        normalised to bf16 again) and its fp32 widening q/k/v [t_pad, qkv] with rows >= t set
-        to pad_fill; then the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
+    def prefill_conv_qkv(self, stream: int, qkv_proj: DevicePtr, conv_state: DevicePtr,
+                         conv_w: DevicePtr, qkv_parts: DevicePtr, conv_out: DevicePtr,
+                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float) -> None:
+        """Prefill over t tokens of qkv_proj [t, conv_dim] (the projection's q|k|v): its copy
+        qkv_parts [3, t, qkv], conv_out (conv + SiLU to bf16, then q/k L2 normalised to bf16
+        again) and its fp32 widening q/k/v [t_pad, qkv] with rows >= t set to pad_fill; then
+        the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
         c = self.cfg
         t_pad = c.t_pad(t)
         threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
         self._launch("conv", self.prefill_conv_name, _cfg1d(threads),
-                     (proj, i32(c.proj_width), conv_state, conv_w, qkv_proj, qkv_parts, conv_out,
-                      q, k, v, i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim),
-                      i32(c.conv_kernel), f32(pad_fill)), stream)
+                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, i32(t),
+                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
+                      f32(pad_fill)), stream)
         self._launch("conv", "conv_roll_state", _cfg1d(c.conv_dim),
                      (qkv_proj, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
 

@@ -87,7 +87,7 @@ class Glm5NextKdaLayer:
         one launch: the packed q|k|v|f_a|g_a|b GEMV (writing qkv_parts and qkv_proj too), the
         low-rank gates with the forget gate, and beta."""
         w = self.weights
-        self.kernels.front_end_gemv(stream, w.w_in, hidden, ws.ptr("proj"), ws.qkv_parts,
+        self.kernels.front_end_gemv(stream, w.w_in, hidden, ws.ptr("gate_in"), ws.qkv_parts,
                                     ws.qkv_proj, w.f_b, w.g_b, w.a_log, w.dt_bias, ws.g_raw,
                                     ws.out_gate, ws.gate, ws.beta, ws.ptr("front_sync"), t)
         for name in ("qkv_parts", "qkv_proj", "g_raw", "out_gate", "gate", "beta"):
@@ -149,18 +149,25 @@ class Glm5NextKdaLayer:
         low-rank gates beside the conv) and the benchmark times them one by one. GEMM steps'
         names end in `_gemm`; chunk_intra then chunk_inter are the chunked core."""
         c, w, kn = self.cfg, self.weights, self.kernels
-        proj = ws.ptr("proj")
-        f_a, g_a, b_raw = (proj + c.proj_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
+        gate_in = ws.ptr("gate_in")
+        f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
+        w_gate_in = w.w_in + c.conv_dim * c.hidden_size * BF16.itemsize  # w_in's f_a|g_a|b rows
+        # q|k|v straight into qkv_proj, where the conv reads them: a second GEMM for the 320-odd
+        # gate_in columns re-reads hidden, but the conv no longer copies 3 x qkv columns a token
         return {
-            "proj_gemm": lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w.w_in, proj,
-                                                c.proj_width, t, c.proj_rows, c.hidden_size),
-            "f_b_gemm": lambda s: kn.gemm_bf16(s, f_a, c.proj_width, w.f_b, ws.g_raw, c.qkv, t,
-                                               c.qkv, c.rank),
-            "g_b_gemm": lambda s: kn.gemm_bf16(s, g_a, c.proj_width, w.g_b, ws.out_gate, c.qkv,
+            "qkv_gemm": lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w.w_in, ws.qkv_proj,
+                                               c.conv_dim, t, c.conv_dim, c.hidden_size),
+            "gate_in_gemm": lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w_gate_in, gate_in,
+                                                   c.gate_in_width, t, c.gate_in_rows,
+                                                   c.hidden_size),
+            "f_b_gemm": lambda s: kn.gemm_bf16(s, f_a, c.gate_in_width, w.f_b, ws.g_raw, c.qkv,
                                                t, c.qkv, c.rank),
-            "gate_beta": lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.proj_width, w.a_log,
-                                                    w.dt_bias, ws.gate, ws.beta, t, c.t_pad(t)),
-            "conv": lambda s: kn.prefill_conv_qkv(s, proj, state.conv, w.conv_w, ws.qkv_proj,
+            "g_b_gemm": lambda s: kn.gemm_bf16(s, g_a, c.gate_in_width, w.g_b, ws.out_gate,
+                                               c.qkv, t, c.qkv, c.rank),
+            "gate_beta": lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.gate_in_width,
+                                                    w.a_log, w.dt_bias, ws.gate, ws.beta, t,
+                                                    c.t_pad(t)),
+            "conv": lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, state.conv, w.conv_w,
                                                   ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32,
                                                   ws.v_f32, t, pad_fill),
             "chunk_intra": lambda s: kn.kda_chunk_intra(s, ws, t),
@@ -215,7 +222,9 @@ class Glm5NextKdaLayer:
         guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
         ws.check_tokens(t, "prefill")
         steps, kn = self.prefill_steps(hidden, t, state, ws, pad_fill), self.kernels
-        steps["proj_gemm"](stream)
+        steps["qkv_gemm"](stream)
+        self._ws_stage(gpu, stream, ws, "qkv_proj", "gemm_bf16", t)
+        steps["gate_in_gemm"](stream)
         side = kn.fork(stream)  # the gate branch runs beside the conv
         steps["f_b_gemm"](side)
         steps["g_b_gemm"](side)
@@ -225,7 +234,7 @@ class Glm5NextKdaLayer:
         self._ws_stage(gpu, side, ws, "gate", "kda_gate_beta", t)
         self._ws_stage(gpu, side, ws, "beta", "kda_gate_beta", t)
         steps["conv"](stream)
-        for name in ("qkv_proj", "qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
+        for name in ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
             self._ws_stage(gpu, stream, ws, name, kn.prefill_conv_name, t)
         self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
         kn.join(stream)

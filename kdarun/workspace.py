@@ -73,8 +73,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("final_out", _rows(lambda c: c.hidden_size), BF16, True, "[T, hidden]",
                "the block output"),
     # private scratch
-    BufferSpec("proj", _rows(lambda c: c.proj_width), BF16, False,
-               "[T, proj_width] q|k|v|f_a|g_a|b", "the packed input projection"),
+    BufferSpec("gate_in", _rows(lambda c: c.gate_in_width), BF16, False,
+               "[T, gate_in_width] f_a|g_a|b",
+               "the projection's outputs after q|k|v (which go to qkv_proj)"),
     # the chunked core's operands, a block for each (chunk, head), in the orders the walk reads:
     # split words (host_kernels.split_words) in its fragment order (to_walk_order)
     BufferSpec("chunk_qg", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,

@@ -8,26 +8,25 @@
 #define CONV_TOKENS 16  // consecutive tokens a thread walks
 
 // One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,
-// reading q|k|v straight from the packed projection proj [T, ldp]. It keeps the last W-1 input
-// rows in registers, so each input row is read once (plus W-1 rows of warm-up a run) instead
-// of once per tap (the taps of other tokens came from L2). A head vector's D/8 threads are
-// adjacent lanes, so the L2 norm reduces with shuffles inside the group. It writes every
-// buffer the stages expose in one pass: qkv_proj and qkv_parts (the inputs), conv_out (conv +
-// SiLU rounded to bf16, then for q/k the L2 norm of those bf16 values rounded again) and its
-// fp32 widening q/k/v_f32, whose rows in [T, T_pad) get pad_fill so the chunk kernels' guard
-// past T is exercised.
-__device__ __forceinline__ uint4 conv_input(const bf16* proj, int ldp, const bf16* state,
-                                            int conv_dim, int W, int r, int c) {
+// reading q|k|v from qkv_proj [T, conv_dim], where the projection GEMM wrote them. It keeps
+// the last W-1 input rows in registers, so each input row is read once (plus W-1 rows of
+// warm-up a run) instead of once per tap (the taps of other tokens came from L2). A head
+// vector's D/8 threads are adjacent lanes, so the L2 norm reduces with shuffles inside the
+// group. It writes every other buffer the stages expose in one pass: qkv_parts (the inputs
+// again, by part), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those
+// bf16 values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get
+// pad_fill so the chunk kernels' guard past T is exercised.
+__device__ __forceinline__ uint4 conv_input(const bf16* x, const bf16* state, int conv_dim,
+                                            int W, int r, int c) {
     return r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
-                 : *reinterpret_cast<const uint4*>(proj + (u64)r * ldp + c);
+                 : *reinterpret_cast<const uint4*>(x + (u64)r * conv_dim + c);
 }
 
 // One thread's run, with the taps right-aligned in NW slots (NW >= W).
 template <int NW>
 __device__ __forceinline__ void conv_thread(
-    const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,
-    const float* __restrict__ w, bf16* __restrict__ qkv_proj, bf16* __restrict__ qkv_parts,
-    bf16* __restrict__ conv_out, float* __restrict__ qf, float* __restrict__ kf,
+    const bf16* __restrict__ x, const bf16* __restrict__ state, const float* __restrict__ w,
+    bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, float* __restrict__ qf, float* __restrict__ kf,
     float* __restrict__ vf, int T, int T_pad, int H, int D, int W, float pad_fill) {
     const int group = D / 8;  // threads a head vector (8 or 16: groups never straddle a warp)
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -51,7 +50,7 @@ __device__ __forceinline__ void conv_thread(
 #pragma unroll
     for (int k = 0; k < NW - 1; ++k)
         if (k >= s0 && t0 < T)
-            win[k] = conv_input(proj, ldp, state, conv_dim, W, t0 - (NW - 1) + k, c);
+            win[k] = conv_input(x, state, conv_dim, W, t0 - (NW - 1) + k, c);
     // a narrow window's weights stay in registers for the run (32 at W = 4); the wide generic
     // one's would take 138 registers a thread, so it re-reads them from L1 each token
     constexpr bool HOLD = NW <= 4;
@@ -74,13 +73,13 @@ __device__ __forceinline__ void conv_thread(
             reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = f;
             continue;
         }
-        const uint4 xin = conv_input(proj, ldp, state, conv_dim, W, t, c);
+        const uint4 xin = conv_input(x, state, conv_dim, W, t, c);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < NW; ++k) {  // taps oldest first, as the one-token form sums them
             if (k < s0) continue;
-            float x[8];
-            unpack8(k == NW - 1 ? xin : win[k < NW - 1 ? k : 0], x);
+            float xk[8];
+            unpack8(k == NW - 1 ? xin : win[k < NW - 1 ? k : 0], xk);
             float wj[8];
             if (HOLD) {
 #pragma unroll
@@ -93,12 +92,11 @@ __device__ __forceinline__ void conv_thread(
                 wj[4] = w1.x, wj[5] = w1.y, wj[6] = w1.z, wj[7] = w1.w;
             }
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], x[e], acc[e]);
+            for (int e = 0; e < 8; ++e) acc[e] = __fmaf_rn(wj[e], xk[e], acc[e]);
         }
 #pragma unroll
         for (int k = 0; k < NW - 2; ++k) win[k] = win[k + 1];
         win[NW - 2] = xin;
-        *reinterpret_cast<uint4*>(qkv_proj + (u64)t * conv_dim + c) = xin;
         *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
         // bf16 roundings a pair at a time (pack_bf16x2): Nsight Compute counted this kernel
         // 65% issue-bound, its largest instruction shares f2bf's integer rounding and the
@@ -130,24 +128,24 @@ __device__ __forceinline__ void conv_thread(
 }
 
 #define PREFILL_CONV_ARGS                                                                     \
-    const bf16* __restrict__ proj, int ldp, const bf16* __restrict__ state,                    \
-        const float* __restrict__ w, bf16* __restrict__ qkv_proj, bf16* __restrict__ qkv_parts, \
-        bf16* __restrict__ conv_out, float* __restrict__ qf, float* __restrict__ kf,            \
-        float* __restrict__ vf, int T, int T_pad, int H, int D, int W, float pad_fill
+    const bf16* __restrict__ qkv_proj, const bf16* __restrict__ state,                         \
+        const float* __restrict__ w, bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, \
+        float* __restrict__ qf, float* __restrict__ kf, float* __restrict__ vf, int T,          \
+        int T_pad, int H, int D, int W, float pad_fill
 
 // Any width up to MAX_W, taps chosen at run time. Four blocks an SM, 64 registers a thread:
 // left free, ptxas takes 71 (three blocks an SM).
 extern "C" __global__ void __launch_bounds__(256, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
-    conv_thread<MAX_W>(proj, ldp, state, w, qkv_proj, qkv_parts, conv_out, qf, kf, vf, T, T_pad,
-                       H, D, W, pad_fill);
+    conv_thread<MAX_W>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, W,
+                       pad_fill);
 }
 
 // The width of every Kimi Linear checkpoint, as a literal: no tap is tested at run time and
 // the window holds three rows, not seven (48 registers against 64). kernels.py launches it
 // when W == 4, so its W argument is always 4.
 extern "C" __global__ void __launch_bounds__(256) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
-    conv_thread<4>(proj, ldp, state, w, qkv_proj, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H,
-                   D, 4, pad_fill);
+    conv_thread<4>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, 4,
+                   pad_fill);
 }
 
 // After prefill_conv_qkv: the state becomes the last W-1 rows of (state ++ x). New row j

@@ -130,24 +130,24 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 }
 
 // Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (q|k|v to
-// qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv], f_a|g_a|b to its columns of proj [M, ldp];
-// proj's q|k|v columns are left as they are, nothing reads them), then from f_a and g_a
-// the low-rank gates (g_raw with the forget gate computed from the rounded value; out_gate) and
-// beta = sigmoid(b). The gates need rows that this launch produces, so the f_a|g_a|b tiles come
-// first (the lowest blocks), with ks_early shares each so that they finish well before the
-// q|k|v tiles, and count themselves done in sync[0]; the gate blocks come last and wait for
-// that count, so none waits on a block that might not have started. The launch is sized to
-// fit the SMs at once (the caller picks ks so), so the gate blocks are resident from the
-// start, wait with their first f_b / g_b weights in flight, and compute while the q|k|v tiles
-// still stream: the gates cost no launch and no wave of their own. The last gate block to
-// finish (sync[1] counts them) zeroes both counters for the next call.
+// qkv_proj [M, 3*qkv] and qkv_parts [3, M, qkv], f_a|g_a|b to gate_in [M, ldg]), then from
+// f_a and g_a the low-rank gates (g_raw with the forget gate computed from the rounded value;
+// out_gate) and beta = sigmoid(b). The gates need rows that this launch produces, so the
+// f_a|g_a|b tiles come first (the lowest blocks), with ks_early shares each so that they
+// finish well before the q|k|v tiles, and count themselves done in sync[0]; the gate blocks
+// come last and wait for that count, so none waits on a block that might not have started.
+// The launch is sized to fit the SMs at once (the caller picks ks so), so the gate blocks are
+// resident from the start, wait with their first f_b / g_b weights in flight, and compute
+// while the q|k|v tiles still stream: the gates cost no launch and no wave of their own. The
+// last gate block to finish (sync[1] counts them) zeroes both counters for the next call.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)
-front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ proj,
-               bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj,
+front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
+               bf16* __restrict__ gate_in, bf16* __restrict__ qkv_parts,
+               bf16* __restrict__ qkv_proj,
                const bf16* __restrict__ f_b, const bf16* __restrict__ g_b,
                const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                bf16* __restrict__ g_raw, bf16* __restrict__ out_gate, float* __restrict__ gate,
-               float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldp,
+               float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldg,
                int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early,
                int ks_gate, int early_blocks, int proj_blocks) {
     const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
@@ -166,7 +166,7 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
                 qkv_proj[(u64)m * 3 * qkv + n] = r;
                 qkv_parts[((u64)(n / qkv) * M + m) * qkv + n % qkv] = r;
             } else {
-                proj[(u64)m * ldp + n] = r;  // f_a|g_a|b: what the gate blocks read
+                gate_in[(u64)m * ldg + n - 3 * qkv] = r;  // what the gate blocks read
             }
         });
         if (is_early) {
@@ -184,17 +184,17 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __r
         __syncthreads();
     };
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
-    const bf16* f_a = proj + 3 * qkv;
+    const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
         early_done();
         for (int i = threadIdx.x; i < M * H; i += blockDim.x)
-            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldp + 2 * R + i % H)));
+            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
     } else {
         const int n0 = gemv_tile_index(gb, ks_gate) * TILE;  // qkv % TILE == 0: all f or all g
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
         float out[4];
-        if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldp, c0, ks_gate,
+        if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
                             out, early_done))  // f_b / g_b load while the tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 const bf16 r = f2bf(v);

@@ -43,8 +43,8 @@ def test_prefill_stage_local(env):
     rd = lambda name: ws.read(name, T).astype(np.float64)  # noqa: E731
     p = reference.projections(env.tensors, h)
     assert rel(rd("qkv_parts"), np.stack([p["q"], p["k"], p["v"]])) < BF16_OUT_TOL
-    proj = env.gpu.download(ws.ptr("proj"), ws.shape("proj", T), BF16).astype(np.float64)
-    f_a = proj[:, cfg.conv_dim:cfg.conv_dim + cfg.rank]
+    gate_in = env.gpu.download(ws.ptr("gate_in"), ws.shape("gate_in", T), BF16)
+    f_a = gate_in[:, cfg.gate_in_col("f_a"):][:, :cfg.rank].astype(np.float64)
     assert rel(rd("g_raw"), f_a @ env.tensors["f_b_proj.weight"].astype(np.float64).T) \
         < BF16_OUT_TOL
     gate = reference.gate(cfg, env.tensors, rd("g_raw"))

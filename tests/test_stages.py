@@ -41,7 +41,7 @@ def _plant(src, dst, key, fn):
 def test_dump_order_and_reference(dump):
     d = load_dump(dump)
     keys = d.keys
-    assert keys[0] == "prefill/g_raw" and keys[-1] == "decode_k/final_out"
+    assert keys[0] == "prefill/qkv_proj" and keys[-1] == "decode_k/final_out"
     assert keys.index("prefill/state.conv") < keys.index("prefill/core")
     assert "decode_k/state.recurrent[2]" in keys and "decode.1/conv_out[0]" in keys
     assert d.tensors["prefill/core"].shape == (70, 4, 64)  # valid rows only, not T_pad
