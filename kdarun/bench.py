@@ -95,7 +95,7 @@ def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer], states: list[KdaSe
              ws: Glm5NextKdaWorkspace, h: DevicePtr) -> None:
     """Give back what a benchmark allocated: the bound layers (`release_bound`), the states
     and the input rows."""
-    release_bound(gpu, layers[0].kernels, layers, ws)
+    release_bound(gpu, layers, ws)
     for st in states:
         st.free()
     gpu.free(h)

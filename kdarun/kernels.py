@@ -96,31 +96,6 @@ class Glm5NextKdaKernels:
         self.gpu = gpu
         self.cfg = cfg
         self.modules = {fam: gpu.load_module(fam) for fam in FAMILIES}
-        self._side: int | None = gpu.create_stream()
-        self._fork_event, self._join_event = gpu.create_event(), gpu.create_event()
-
-    def close(self) -> None:
-        """Release the side stream `fork` hands out; prefill cannot run on these kernels
-        after this. Idempotent."""
-        if self._side is not None:
-            self.gpu.destroy_stream(self._side)
-            self._side = None
-
-    def fork(self, stream: int) -> int:
-        """A second stream that starts after everything enqueued on `stream` so far, for
-        work that does not depend on what `stream` runs next; `join(stream)` merges it back.
-        Prefill runs its gate branch there, beside the conv (both are memory-bound and
-        neither fills the GPU's bandwidth alone)."""
-        if self._side is None:
-            raise KdaError("fork: these kernels were closed (Glm5NextKdaKernels.close)")
-        self.gpu.record_event(self._fork_event, stream)
-        self.gpu.stream_wait_event(self._side, self._fork_event)
-        return self._side
-
-    def join(self, stream: int) -> None:
-        """Work enqueued on `stream` from now on waits for the forked stream's work."""
-        self.gpu.record_event(self._join_event, self._side)
-        self.gpu.stream_wait_event(stream, self._join_event)
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:

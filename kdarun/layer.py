@@ -145,9 +145,9 @@ class Glm5NextKdaLayer:
                       ws: Glm5NextKdaWorkspace, pad_fill: float = 0.0
                       ) -> dict[str, Callable[[int], None]]:
         """The launches of one prefill over t tokens, in order and by name, each a callable
-        that enqueues them on the stream it is given: `prefill_with_pad_fill` runs them (the
-        low-rank gates beside the conv) and the benchmark times them one by one. GEMM steps'
-        names end in `_gemm`; chunk_intra then chunk_inter are the chunked core."""
+        that enqueues them on the stream it is given: `prefill_with_pad_fill` runs them in this
+        order and the benchmark times them one by one. GEMM steps' names end in `_gemm`;
+        chunk_intra then chunk_inter are the chunked core."""
         c, w, kn = self.cfg, self.weights, self.kernels
         gate_in = ws.ptr("gate_in")
         f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
@@ -225,19 +225,17 @@ class Glm5NextKdaLayer:
         steps["qkv_gemm"](stream)
         self._ws_stage(gpu, stream, ws, "qkv_proj", "gemm_bf16", t)
         steps["gate_in_gemm"](stream)
-        side = kn.fork(stream)  # the gate branch runs beside the conv
-        steps["f_b_gemm"](side)
-        steps["g_b_gemm"](side)
-        self._ws_stage(gpu, side, ws, "g_raw", "gemm_bf16", t)
-        self._ws_stage(gpu, side, ws, "out_gate", "gemm_bf16", t)
-        steps["gate_beta"](side)
-        self._ws_stage(gpu, side, ws, "gate", "kda_gate_beta", t)
-        self._ws_stage(gpu, side, ws, "beta", "kda_gate_beta", t)
+        steps["f_b_gemm"](stream)
+        steps["g_b_gemm"](stream)
+        self._ws_stage(gpu, stream, ws, "g_raw", "gemm_bf16", t)
+        self._ws_stage(gpu, stream, ws, "out_gate", "gemm_bf16", t)
+        steps["gate_beta"](stream)
+        self._ws_stage(gpu, stream, ws, "gate", "kda_gate_beta", t)
+        self._ws_stage(gpu, stream, ws, "beta", "kda_gate_beta", t)
         steps["conv"](stream)
         for name in ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32"):
             self._ws_stage(gpu, stream, ws, name, kn.prefill_conv_name, t)
         self._state_stage(gpu, stream, state, "conv_roll_state", which=("conv",))
-        kn.join(stream)
         steps["chunk_intra"](stream)
         steps["chunk_inter"](stream)
         self._ws_stage(gpu, stream, ws, "core", "kda_chunk_inter", t)

@@ -27,8 +27,8 @@ class KdaStack:
     checkpoint: Checkpoint
 
     def free(self, gpu: GpuBackend) -> None:
-        """Release every layer's weights, the workspace and the kernels' side stream."""
-        release_bound(gpu, self.kernels, self.layers.values(), self.workspace)
+        """Release every layer's weights and the workspace."""
+        release_bound(gpu, self.layers.values(), self.workspace)
 
     def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
         if layer_idx not in self.layers:
@@ -37,13 +37,11 @@ class KdaStack:
         return self.layers[layer_idx]
 
 
-def release_bound(gpu: GpuBackend, kernels: Glm5NextKdaKernels,
-                  layers: Iterable[Glm5NextKdaLayer], workspace: Glm5NextKdaWorkspace) -> None:
-    """Give back what binding layers allocated: each layer's weights, the kernel set's side
-    stream (the layers share the one kernel set) and their workspace."""
+def release_bound(gpu: GpuBackend, layers: Iterable[Glm5NextKdaLayer],
+                  workspace: Glm5NextKdaWorkspace) -> None:
+    """Give back what binding layers allocated: each layer's weights and their workspace."""
     for layer in layers:
         layer.weights.free(gpu)
-    kernels.close()
     workspace.free()
 
 

@@ -159,6 +159,3 @@ def test_stack_free_releases_everything(ckpts):
     stack.free(gpu)
     with pytest.raises(KdaError, match="not the start of a live allocation"):
         gpu.free(weights.w_in)
-    with pytest.raises(KdaError, match="closed"):
-        stack.kernels.fork(0)
-    stack.kernels.close()  # a second close is harmless
