@@ -29,20 +29,35 @@ DECODE_LAYERS = 4
 FLA_CACHE_TOKENS = 16
 
 
+def time_once(gpu: GpuBackend, fn: Callable[[], None], stream: int) -> float:
+    """Device time of one call of `fn`, bracketed by events; the host waits for the end."""
+    a, b = gpu.create_event(), gpu.create_event()
+    gpu.record_event(a, stream)
+    fn()
+    gpu.record_event(b, stream)
+    return gpu.elapsed_ms(a, b)
+
+
+def medians_in_turn(timers: list[Callable[[], float]], reps: int, warmup: int) -> list[float]:
+    """The median of each timer (a callable that times one call and returns ms), the timers
+    called in turn rep by rep: the GPU's clocks and power drift over a run (the large preset's
+    GEMMs moved 8.7-9.8 ms between runs of one tree), and taking turns lays that drift on
+    every timer alike, where timing one after the other would not."""
+    for _ in range(warmup):
+        for timer in timers:
+            timer()
+    times: list[list[float]] = [[] for _ in timers]
+    for _ in range(reps):
+        for timer, ts in zip(timers, times):
+            ts.append(timer())
+    return [statistics.median(ts) for ts in times]
+
+
 def median_ms(gpu: GpuBackend, fn: Callable[[], None], stream: int, reps: int,
               warmup: int = 5) -> float:
     """Median over `reps` of the device time of `fn`, each bracketed by events."""
-    for _ in range(warmup):
-        fn()
-    gpu.synchronize(stream)
-    times = []
-    for _ in range(reps):
-        a, b = gpu.create_event(), gpu.create_event()
-        gpu.record_event(a, stream)
-        fn()
-        gpu.record_event(b, stream)
-        times.append(gpu.elapsed_ms(a, b))
-    return statistics.median(times)
+    (ms,) = medians_in_turn([lambda: time_once(gpu, fn, stream)], reps, warmup)
+    return ms
 
 
 @dataclass
@@ -198,8 +213,11 @@ def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
 
 
 def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
-                  gate: str = "bounded") -> list[PrefillResult]:
+                  gate: str = "bounded", fla: bool = False) -> list[PrefillResult]:
+    """Prefill at each T: the layer, the core, the GEMMs and each step alone. With `fla`, fla's
+    layer and its chunk_kda on the same shapes take turns with the layer rep by rep."""
     cfg = synthetic.preset_config(preset, gate)
+    fla_timers = _fla_prefill_timers(cfg) if fla else None
     (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max(tokens))
     rng = np.random.default_rng(6)
@@ -208,7 +226,9 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
     out = []
     for t in tokens:
         reps = 30 if t <= 4096 else 10
-        ms = median_ms(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream), stream, reps, 3)
+        timers = [lambda: time_once(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream),
+                                    stream)]
+        ms, *fla_ms = medians_in_turn(timers + (fla_timers(t) if fla_timers else []), reps, 3)
         steps = layer.prefill_steps(h, t, state, ws)
 
         def run(names: list[str]) -> Callable[[], None]:
@@ -219,7 +239,7 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         kernels = {n: median_ms(gpu, run([n]), stream, reps, 3)
                    for n in steps if not n.endswith("_gemm")}
         out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
-                                 prefill_flops(cfg, t) / ms / 1e9, kernels_ms=kernels))
+                                 prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels))
     _release(gpu, [layer], [state], ws, h)
     return out
 
@@ -234,20 +254,15 @@ def fla_available() -> bool:
         return False
 
 
-def _torch_median_ms(fn, reps: int, warmup: int = 5) -> float:
+def _torch_time_once(fn) -> float:
+    """time_once for work torch enqueues on its current stream."""
     import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def _fla_layers(cfg: Glm5NextKdaConfig, n: int):
@@ -291,34 +306,39 @@ def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str = "softpl
             fn = g.replay
         else:
             fn = step
-        return _torch_median_ms(fn, reps) * 1e3 / DECODE_LAYERS
+        (ms,) = medians_in_turn([lambda: _torch_time_once(fn)], reps, 5)
+        return ms * 1e3 / DECODE_LAYERS
 
 
-def fla_prefill_ms(preset: str, tokens: list[int], gate: str = "bounded") -> list[tuple[float, float]]:
-    """(layer forward ms, chunk_kda core ms) per T for fla on the same shapes."""
+def _fla_prefill_timers(cfg: Glm5NextKdaConfig) -> Callable[[int], list[Callable[[], float]]]:
+    """For T tokens: timers of fla's layer forward and of its chunk_kda core alone (bounded or
+    softplus gate as cfg says), on fresh random inputs of the same shapes."""
     import torch
     from fla.ops.kda import chunk_kda
-    cfg = synthetic.preset_config(preset, gate)
     (layer,) = _fla_layers(cfg, 1)
-    out = []
     H, D = cfg.num_heads, cfg.head_dim
-    with torch.no_grad():
-        for t in tokens:
-            reps = 30 if t <= 4096 else 10
-            x = torch.randn(1, t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-            ms = _torch_median_ms(lambda: layer(x), reps, 3)
-            q, k, v, g = (torch.randn(1, t, H, D, device="cuda", dtype=torch.bfloat16)
-                          for _ in range(4))
-            beta = torch.randn(1, t, H, device="cuda", dtype=torch.bfloat16)
-            s0 = torch.zeros(1, H, D, D, device="cuda", dtype=torch.float32)
-            kw = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, initial_state=s0,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True,
-                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      lower_bound=cfg.gate_lower_bound, safe_gate=cfg.gate_lower_bound is not None,
-                      state_v_first=True)
-            core = _torch_median_ms(lambda: chunk_kda(q, k, v, g, beta, **kw), reps, 3)
-            out.append((ms, core))
-    return out
+
+    def timers(t: int) -> list[Callable[[], float]]:
+        x = torch.randn(1, t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        q, k, v, g = (torch.randn(1, t, H, D, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(4))
+        beta = torch.randn(1, t, H, device="cuda", dtype=torch.bfloat16)
+        s0 = torch.zeros(1, H, D, D, device="cuda", dtype=torch.float32)
+        kw = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, initial_state=s0,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  lower_bound=cfg.gate_lower_bound, safe_gate=cfg.gate_lower_bound is not None,
+                  state_v_first=True)
+
+        def run_layer() -> None:
+            with torch.no_grad():
+                layer(x)
+
+        def run_core() -> None:
+            with torch.no_grad():
+                chunk_kda(q, k, v, g, beta, **kw)
+        return [lambda: _torch_time_once(run_layer), lambda: _torch_time_once(run_core)]
+    return timers
 
 
 def results_table(rows: list[dict]) -> str:

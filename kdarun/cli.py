@@ -236,11 +236,8 @@ def bench_cmd(preset, mode, k, graph, tokens, with_fla, as_json) -> None:
             ts = [int(x) for x in tokens.split(",")]
         except ValueError:
             raise click.ClickException(f"--tokens must be comma-separated integers, got {tokens!r}")
-        res = bench.bench_prefill(gpu, preset, ts, stream)
-        fla = bench.fla_prefill_ms(preset, ts) if use_fla else [(None, None)] * len(ts)
-        for r, (f_ms, f_core) in zip(res, fla):
-            r.fla_ms, r.fla_core_ms = f_ms, f_core
-            rows.append(vars(r) | {"vs_fla": f_ms / r.ms if f_ms else None})
+        for r in bench.bench_prefill(gpu, preset, ts, stream, fla=use_fla):
+            rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
     else:
         kk = 1 if mode == "decode" else k
         r = bench.bench_decode(gpu, preset, kk, graph, ceil, stream)

@@ -87,10 +87,8 @@ def main() -> int:
                         f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
             if args.only == "decode":
                 continue
-            res = bench.bench_prefill(gpu, preset, tokens, stream)
-            fla = bench.fla_prefill_ms(preset, tokens) if use_fla else [(None, None)] * len(tokens)
-            for r, (f_ms, f_core) in zip(res, fla):
-                r.fla_ms, r.fla_core_ms = f_ms, f_core
+            for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
+                f_ms, f_core = r.fla_ms, r.fla_core_ms
                 report["prefill"].append(vars(r))
                 vs = (f" | fla {f_ms:.2f} ms ({f_ms / r.ms:.2f}x), fla chunk_kda {f_core:.2f} ms "
                       f"({f_core / r.core_ms:.2f}x)") if f_ms else ""
