@@ -159,9 +159,8 @@ class Glm5NextKdaKernels:
                        m: int) -> None:
         """Decode's front end over m rows of hidden [m, hidden] bf16, one launch: the packed
         projection, q|k|v to qkv_proj and qkv_parts and f_a|g_a|b to gate_in
-        [m, gate_in_width], then from f_a|g_a|b g_raw and
-        the forget gate, out_gate and beta. sync [2] int32 orders the gates after the rows
-        they read; zero on entry, left zero."""
+        [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate, out_gate and beta.
+        sync [2] int32 orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         cfg, shares = self._front_end_plan

@@ -152,8 +152,8 @@ class Glm5NextKdaLayer:
         gate_in = ws.ptr("gate_in")
         f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
         w_gate_in = w.w_in + c.conv_dim * c.hidden_size * BF16.itemsize  # w_in's f_a|g_a|b rows
-        # q|k|v straight into qkv_proj, where the conv reads them: a second GEMM for the 320-odd
-        # gate_in columns re-reads hidden, but the conv no longer copies 3 x qkv columns a token
+        # q|k|v straight into qkv_proj, where the conv reads them: a second GEMM for the few
+        # hundred gate_in columns re-reads hidden, but the conv no longer copies q|k|v a token
         return {
             "qkv_gemm": lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w.w_in, ws.qkv_proj,
                                                c.conv_dim, t, c.conv_dim, c.hidden_size),
