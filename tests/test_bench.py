@@ -19,3 +19,19 @@ def test_bench_paths_on_host(host):
     table = bench.results_table([vars(r)])
     assert "decode-k" in table and "tiny" in table
     assert "row 1 kernels_us: front_end_gemv" in table
+
+
+def test_medians_in_turn_alternates_and_takes_medians():
+    """Timers are called in turn, rep by rep (warm-up included), and each gets its own median:
+    a drift over the run falls on both alike."""
+    calls: list[str] = []
+    clock = iter(range(100))
+
+    def timer(name: str):
+        def once() -> float:
+            calls.append(name)
+            return float(next(clock))
+        return once
+    a, b = bench.medians_in_turn([timer("a"), timer("b")], reps=3, warmup=1)
+    assert calls == ["a", "b"] * 4
+    assert (a, b) == (4.0, 5.0)  # a's timed reps read 2, 4, 6; b's 3, 5, 7
