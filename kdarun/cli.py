@@ -218,7 +218,8 @@ def inspect_cmd(checkpoint) -> None:
 @click.option("--tokens", default="64,1024,4096,16384", show_default=True,
               help="Prefill lengths, comma-separated.")
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
-              help="Also time fla's KimiDeltaAttention where it is importable.")
+              help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
+                   "in turn with kdarun's layer, rep by rep).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_cmd(preset, mode, k, graph, tokens, with_fla, as_json) -> None:
     """Time decode, decode_k or prefill on random weights and inputs (CUDA only)."""
