@@ -150,7 +150,8 @@ class Glm5NextKdaLayer:
         chunk_intra then chunk_inter are the chunked core."""
         c, w, kn = self.cfg, self.weights, self.kernels
         gate_in = ws.ptr("gate_in")
-        f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a", "b"))
+        f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize
+                           for p in ("f_a", "g_a", "b"))
         w_gate_in = w.w_in + c.conv_dim * c.hidden_size * BF16.itemsize  # w_in's f_a|g_a|b rows
         # q|k|v straight into qkv_proj, where the conv reads them: a second GEMM for the few
         # hundred gate_in columns re-reads hidden, but the conv no longer copies q|k|v a token

@@ -35,7 +35,7 @@ def test_front_end_plan_covers_every_tile(preset):
     launch, args = kn._front_end_plan
     ks, ks_early, ks_gate, early_blocks, proj_blocks = (int(a) for a in args)
     regions = (  # (tiles, shares, blocks): f_a|g_a|b, then q|k|v, then f_b|g_b (+ beta's block)
-        (ceil_div(cfg.proj_rows - 3 * cfg.qkv, GEMV_TILE), ks_early, early_blocks),
+        (ceil_div(cfg.gate_in_rows, GEMV_TILE), ks_early, early_blocks),
         (3 * cfg.qkv // GEMV_TILE, ks, proj_blocks - early_blocks),
         (2 * cfg.qkv // GEMV_TILE, ks_gate, launch.grid[0] - proj_blocks - 1),
     )
