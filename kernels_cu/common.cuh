@@ -1,6 +1,5 @@
-// Shared helpers for every kernel family. bf16 travels as raw 16-bit words and is
-// converted by hand, so the same source builds under NVRTC (CuPy) and nvcc with no
-// dependency on cuda_bf16.h; f2bf rounds to nearest even like __float2bfloat16_rn.
+// Shared helpers for every kernel family. bf16 travels as raw 16-bit words, so the same
+// source builds under NVRTC (CuPy) and nvcc with no dependency on cuda_bf16.h.
 #pragma once
 
 typedef unsigned short bf16;
@@ -8,16 +7,16 @@ typedef unsigned long long u64;  // 64-bit offsets; NVRTC has no <cstddef>
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
 
+// float to bf16, nearest even, by the hardware's conversion (as __float2bfloat16_rn): one
+// instruction where integer rounding with a NaN test took seven. A NaN comes out as the
+// canonical bf16 NaN.
 __device__ __forceinline__ bf16 f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
 }
 
-// Two floats rounded to bf16 (nearest even, as f2bf) in one instruction, x0 in the low half:
-// f2bf's integer rounding and NaN test cost seven instructions an element. A NaN comes out as
-// the canonical bf16 NaN, not f2bf's quieted payload.
+// Two floats rounded as f2bf rounds them, in one instruction, x0 in the low half.
 __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
@@ -41,8 +40,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // By the fast exp and division: a few ulp in fp32, below what the bf16 outputs and the core's
-// 1e-4 tolerance resolve. expf and an IEEE division (with its slow-path branch) an element were,
-// with f2bf, the prefill conv's largest instruction shares. 1 + exp(-x) overflowing gives 0.
+// 1e-4 tolerance resolve. expf and an IEEE division (with its slow-path branch) an element
+// were, with integer bf16 rounding, the prefill conv's largest instruction shares.
+// 1 + exp(-x) overflowing gives 0.
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 // c += a b on tensor cores, one m16n8k16 step: bf16 operands as packed pairs (lower k index in

@@ -99,8 +99,8 @@ __device__ __forceinline__ void conv_thread(
         win[NW - 2] = xin;
         *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
         // bf16 roundings a pair at a time (pack_bf16x2): Nsight Compute counted this kernel
-        // 65% issue-bound, its largest instruction shares f2bf's integer rounding and the
-        // SiLU's exp and division
+        // 65% issue-bound, its largest instruction shares a bf16 rounding done in integer
+        // arithmetic and the SiLU's exp and division
         float y[8], ss = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; e += 2) {
