@@ -1,7 +1,9 @@
-"""Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, and
-the tree A/B's export, flattening and table."""
+"""Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, the
+tree A/B's export, flattening and table, and the intra kernel's phase marks."""
 
 import importlib.util
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ def _tool(name: str):
     return mod
 
 
-sass_mix, ab_trees = _tool("sass_mix"), _tool("ab_trees")
+sass_mix, ab_trees, intra_phases = _tool("sass_mix"), _tool("ab_trees"), _tool("intra_phases")
 
 COLS = ('"Address","Source","Warp Stall Sampling (All Samples)",'
         '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed"')
@@ -103,3 +105,21 @@ def test_run_refuses_what_is_not_a_tree(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab_trees.main(["run", str(tmp_path)])
     assert "not a kdarun tree" in capsys.readouterr().err
+
+
+def test_intra_phases_marks_every_phase_of_the_kernel(tmp_path):
+    """Each mark's anchor is still in chunk.cu, every phase gets one, and the marked copy
+    compiles (where nvcc is on PATH, as in CI)."""
+    from kdarun.backend import kernels_dir
+    src = intra_phases.instrument((kernels_dir() / "chunk.cu").read_text())
+    marks = [int(i) for i in re.findall(r"PH\((\d)\)", src)]
+    assert sorted(set(marks)) == list(range(len(intra_phases.PHASES)))
+    with pytest.raises(ValueError, match="anchor"):
+        intra_phases.instrument("// not chunk.cu\n")
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    (tmp_path / "marked.cu").write_text(src)
+    subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(kernels_dir()), "-cubin", "-o",
+                    str(tmp_path / "marked.cubin"), str(tmp_path / "marked.cu")], check=True,
+                   capture_output=True)

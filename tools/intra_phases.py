@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Where kda_chunk_intra's time goes, phase by phase (clocks left alone):
+
+    python3 tools/intra_phases.py --preset large --tokens 16384
+
+A copy of chunk.cu gets a mark after each block-wide barrier of the intra kernel: thread 0
+adds the clock64() cycles since its last mark into a __device__ array, so each phase is the
+block's time from barrier to barrier, summed over both passes and over the solve's blocks.
+The layer runs one prefill on random weights, then the copy replaces the chunk module and
+runs the intra step once more. It prints the kernel's time with and without the marks, and
+each phase's cycles a (chunk, head) block and share. Two blocks share an SM, so a phase's
+cycles include the other block's competition.
+
+The marks are anchored on chunk.cu's barrier lines and their comments; `instrument` raises
+if one is missing, and a CPU test checks that every anchor is still there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PHASES = ("loads + cumulative sum", "qg / kd / k exp(G) element-wise", "scaled rows",
+          "A / Aqk products", "Aqk out (split words)", "A split, solve set-up",
+          "solve: right-hand sides + C", "solve: block, stores")
+
+_PRELUDE = ('\n__device__ unsigned long long phase_cycles[16];\n'
+            '#define PH(i) if (threadIdx.x == 0) { const unsigned long long n_ = clock64(); '
+            'atomicAdd(&phase_cycles[i], n_ - t_); t_ = n_; }\n')
+
+# (anchor, what follows it): each anchor must occur in chunk.cu
+_MARKS = (
+    ('#include "common.cuh"\n', _PRELUDE),
+    ('    for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;',
+     '\n    unsigned long long t_ = clock64();'),
+    ('            for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;\n'
+     '            __syncthreads();', '\n            PH(0)'),
+    ('tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);',
+     '\n            if (r == 0) { PH(1) } else { PH(3) }'),
+    ('x.y * __expf(G.y - Gr.y));\n            }\n            __syncthreads();', '\n            PH(2)'),
+    ('        __syncthreads();  // before the next dimensions overwrite G, k, q', '\n        PH(3)'),
+    ('    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read',
+     '\n    PH(4)'),
+    ('    __syncthreads();  // A is read: C goes there', '\n    PH(5)'),
+    ('            __syncthreads();  // C complete', '\n            PH(6)'),
+    ("        __syncthreads();  // X's rows of this block are in place; C is read", '\n        PH(7)'),
+)
+
+
+def instrument(src: str) -> str:
+    """chunk.cu's source with the phase marks added after each anchor."""
+    for anchor, mark in _MARKS:
+        if src.count(anchor) != 1:
+            raise ValueError(f"intra_phases: anchor not found once in chunk.cu: {anchor!r}")
+        src = src.replace(anchor, anchor + mark)
+    return src
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="large")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--gate", choices=("softplus", "bounded"), default="bounded")
+    args = ap.parse_args()
+
+    import cupy as cp
+    import numpy as np
+
+    from kdarun import open_backend, synthetic
+    from kdarun.backend import kernels_dir
+    from kdarun.bench import bound_layers, median_ms, random_state
+    from kdarun.config import CHUNK
+    from kdarun.run import random_hidden
+    from kdarun.workspace import Glm5NextKdaWorkspace
+
+    gpu = open_backend("cuda")
+    cfg = synthetic.preset_config(args.preset, args.gate)
+    T = args.tokens
+    (layer,) = bound_layers(gpu, cfg, 1, 5, 0)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, T)
+    state = random_state(gpu, cfg, np.random.default_rng(6), 0)
+    h = gpu.upload(random_hidden(T, cfg.hidden_size, 7), 0)
+    layer.prefill(gpu, h, T, state, ws, 0)  # the intra kernel's inputs
+    intra = layer.prefill_steps(h, T, state, ws)["chunk_intra"]
+    plain = median_ms(gpu, lambda: intra(0), 0, 10, 3)
+
+    raw = cp.RawModule(code=instrument((kernels_dir() / "chunk.cu").read_text()),
+                       options=("-std=c++17", f"-I{kernels_dir()}"))
+    raw.compile()
+    kernels = layer.kernels
+    kernels.modules["chunk"] = type(kernels.modules["chunk"])("chunk+phases", raw)
+    marked = median_ms(gpu, lambda: intra(0), 0, 10, 3)
+    cycles = cp.ndarray((16,), cp.uint64, raw.get_global("phase_cycles"))
+    cycles.fill(0)
+    intra(0)
+    gpu.synchronize(0)
+    blocks = cfg.t_pad(T) // CHUNK * cfg.num_heads
+    per = cycles.get()[:len(PHASES)].astype(np.float64) / blocks
+    print(f"{gpu.device_name}, {args.preset} T={T}: kda_chunk_intra {plain:.3f} ms "
+          f"({marked:.3f} with the marks); {blocks} blocks of {per.sum():.0f} cycles")
+    for name, c in zip(PHASES, per):
+        print(f"  {name:<34} {c:9.0f} cycles  {100 * c / per.sum():5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
