@@ -134,7 +134,7 @@ __device__ __forceinline__ void conv_thread(
         int T_pad, int H, int D, int W, float pad_fill
 
 // Any width up to MAX_W, taps chosen at run time. Four blocks an SM, 64 registers a thread:
-// left free, ptxas takes 71 (three blocks an SM).
+// left free, ptxas takes 98 (two blocks an SM).
 extern "C" __global__ void __launch_bounds__(256, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
     conv_thread<MAX_W>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, W,
                        pad_fill);
