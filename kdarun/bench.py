@@ -106,6 +106,18 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     return s
 
 
+def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int
+                 ) -> tuple[Glm5NextKdaLayer, Glm5NextKdaWorkspace, KdaSeqState, DevicePtr]:
+    """One layer on random weights, a workspace for `rows` tokens, a random state and `rows`
+    random hidden rows [rows, hidden] bf16 on the device: the prefill benchmark's set-up, which
+    the profiling tools share so that their figures describe the same run."""
+    (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, rows)
+    state = random_state(gpu, cfg, np.random.default_rng(6), stream)
+    h = gpu.upload(random_hidden(rows, cfg.hidden_size, 7), stream)
+    return layer, ws, state, h
+
+
 def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState],
              ws: Glm5NextKdaWorkspace, h: DevicePtr) -> None:
     """Give back what a benchmark allocated: the bound layers (`release_bound`), the states
@@ -218,11 +230,7 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
     layer and its chunk_kda on the same shapes take turns with the layer rep by rep."""
     cfg = synthetic.preset_config(preset, gate)
     fla_timers = _fla_prefill_timers(cfg) if fla else None
-    (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, max(tokens))
-    rng = np.random.default_rng(6)
-    state = random_state(gpu, cfg, rng, stream)
-    h = gpu.upload(random_hidden(max(tokens), cfg.hidden_size, 7), stream)
+    layer, ws, state, h = random_layer(gpu, cfg, max(tokens), stream)
     out = []
     for t in tokens:
         reps = 30 if t <= 4096 else 10

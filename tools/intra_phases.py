@@ -71,18 +71,13 @@ def main() -> int:
 
     from kdarun import open_backend, synthetic
     from kdarun.backend import kernels_dir
-    from kdarun.bench import bound_layers, median_ms, random_state
+    from kdarun.bench import median_ms, random_layer
     from kdarun.config import CHUNK
-    from kdarun.run import random_hidden
-    from kdarun.workspace import Glm5NextKdaWorkspace
 
     gpu = open_backend("cuda")
     cfg = synthetic.preset_config(args.preset, args.gate)
     T = args.tokens
-    (layer,) = bound_layers(gpu, cfg, 1, 5, 0)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, T)
-    state = random_state(gpu, cfg, np.random.default_rng(6), 0)
-    h = gpu.upload(random_hidden(T, cfg.hidden_size, 7), 0)
+    layer, ws, state, h = random_layer(gpu, cfg, T, 0)
     layer.prefill(gpu, h, T, state, ws, 0)  # the intra kernel's inputs
     intra = layer.prefill_steps(h, T, state, ws)["chunk_intra"]
     plain = median_ms(gpu, lambda: intra(0), 0, 10, 3)

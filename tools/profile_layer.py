@@ -24,20 +24,13 @@ def main() -> int:
     ap.add_argument("--gate", choices=("softplus", "bounded"), default="bounded")
     args = ap.parse_args()
 
-    import numpy as np
-
     from kdarun import open_backend, synthetic
-    from kdarun.bench import bound_layers, random_state
-    from kdarun.run import random_hidden
-    from kdarun.workspace import Glm5NextKdaWorkspace
+    from kdarun.bench import random_layer
 
     gpu = open_backend("cuda")
     cfg = synthetic.preset_config(args.preset, args.gate)
-    (layer,) = bound_layers(gpu, cfg, 1, 1, 0)
     rows = 1 if args.mode == "decode" else args.tokens
-    ws = Glm5NextKdaWorkspace(gpu, cfg, rows)
-    state = random_state(gpu, cfg, np.random.default_rng(2), 0)
-    h = gpu.upload(random_hidden(rows, cfg.hidden_size, 3), 0)
+    layer, ws, state, h = random_layer(gpu, cfg, rows, 0)
     for _ in range(3):
         if args.mode == "prefill":
             layer.prefill(gpu, h, rows, state, ws, 0)
