@@ -41,9 +41,9 @@ def _blocks(n: int, per: int = THREADS) -> int:
 
 def intra_smem_bytes() -> int:
     """Shared memory of kda_chunk_intra_d*: the `Intra` layout in chunk.cu (G, k, q [C, 66]
-    for 64 dimensions at a time; scaled rows as split words [C+32, 72]; A, Aqk [C, AP];
-    beta [C]), in 4-byte words."""
-    return 4 * (3 * CHUNK * 66 + (CHUNK + 32) * 72 + 2 * CHUNK * CHUNK_AP + CHUNK)
+    for 64 dimensions at a time; scaled rows as hi and lo bf16 planes [2][C+32][36] words;
+    A, Aqk [C, AP]; beta [C]), in 4-byte words."""
+    return 4 * (3 * CHUNK * 66 + 2 * (CHUNK + 32) * 36 + 2 * CHUNK * CHUNK_AP + CHUNK)
 
 
 def walk_threads(vs: int) -> int:

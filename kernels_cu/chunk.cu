@@ -39,24 +39,36 @@ __device__ __forceinline__ uint2 split_pair(float x0, float x1) {
                                       x1 - __uint_as_float(hi & 0xffff0000u)));
 }
 
-// A and B fragments of one 16x8x16 step, as hi and lo words. Buffers hold rows of word pairs
-// (hi, lo): `frag_a` reads A[m][k] from rows m with k-pairs along the row, `frag_bt` reads
-// B[k][n] from rows n with k-pairs along the row.
+// A and B fragments of one 16x8x16 step, as hi and lo words.
 struct Frag {
     unsigned hi[4], lo[4];
 };
 
-__device__ __forceinline__ Frag frag_a(const unsigned* buf, int ld, int m0, int kp0, int g, int t) {
-    const unsigned* p = buf + (m0 + g) * ld + 2 * (kp0 + t);
-    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 8 * ld);
-    const uint2 x2 = *reinterpret_cast<const uint2*>(p + 8), x3 = *reinterpret_cast<const uint2*>(p + 8 * ld + 8);
-    return {{x0.x, x1.x, x2.x, x3.x}, {x0.y, x1.y, x2.y, x3.y}};
+// The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
+// axis, ld words a row, rows 16 bytes past a multiple of 128 so that the rows of each 8 x 8
+// tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
+// by ldmatrix: the registers arrive in the order the MMA takes them (rows of (hi, lo) word
+// pairs took register moves to get there, ~2.5 an MMA).
+__device__ __forceinline__ uint4 ldsm4(const unsigned* row) {  // lane 8 j + i: row i of tile j
+    uint4 r;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "r"((unsigned)__cvta_generic_to_shared(row)));
+    return r;
 }
 
-__device__ __forceinline__ Frag frag_bt(const unsigned* buf, int ld, int kp0, int n0, int g, int t) {
-    const unsigned* p = buf + (n0 + g) * ld + 2 * (kp0 + t);  // rows n, k-pairs along the row
-    const uint2 x0 = *reinterpret_cast<const uint2*>(p), x1 = *reinterpret_cast<const uint2*>(p + 8);
-    return {{x0.x, x1.x, 0u, 0u}, {x0.y, x1.y, 0u, 0u}};
+__device__ __forceinline__ Frag frag_a(const unsigned* hi, const unsigned* lo, int ld, int m0,
+                                       int kp0, int lane) {
+    const int off = (m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + kp0 + 4 * (lane >> 4);
+    const uint4 h = ldsm4(hi + off), l = ldsm4(lo + off);
+    return {{h.x, h.y, h.z, h.w}, {l.x, l.y, l.z, l.w}};
+}
+
+__device__ __forceinline__ Frag frag_bt(const unsigned* hi, const unsigned* lo, int ld, int kp0,
+                                        int n0, int lane) {
+    const int j = lane >> 3;  // tiles: hi, hi 8 k on, lo, lo 8 k on
+    const uint4 x = ldsm4((j >> 1 ? lo : hi) + (n0 + (lane & 7)) * ld + kp0 + 4 * (j & 1));
+    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
 }
 
 // big + small += a b: the hi x hi products and the two correction terms accumulate apart
@@ -85,11 +97,11 @@ __host__ __device__ __forceinline__ int bfo_word(int p) {  // the hi word of k-p
 struct Intra {
     static constexpr int DH = 64;        // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
-    static constexpr int PE = DH + 8;    // scaled rows, split words: fragment reads hit bank 8g + 2t
+    static constexpr int PE = DH / 2 + 4;  // scaled rows: words a row of the hi and lo planes
     static constexpr int SB = 16;        // the factorisation's block of rows
     static constexpr int EROWS = CH + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
     static constexpr int G_OFF = 0, K_OFF = CH * P, Q_OFF = 2 * CH * P, E_OFF = 3 * CH * P;
-    static constexpr int A_OFF = E_OFF + EROWS * PE, M_OFF = A_OFF + CH * AP;
+    static constexpr int A_OFF = E_OFF + 2 * EROWS * PE, M_OFF = A_OFF + CH * AP;
     static constexpr int B_OFF = M_OFF + CH * AP, FLOATS = B_OFF + CH;
 };
 
@@ -200,24 +212,25 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const bool by_pairs = __syncthreads_or(
                 tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);
             const int ncols = by_pairs ? r : r + SB;  // columns the products cover
-            unsigned* Ew = reinterpret_cast<unsigned*>(Es);  // split words, pairs along d
+            unsigned* Eh = reinterpret_cast<unsigned*>(Es);  // hi plane, pairs along d
+            unsigned* El = Eh + L::EROWS * PE;                  // lo plane
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             // two loops, each with its sign and source fixed (no select, sign multiply or
             // modulo an element): these rows are rebuilt for every block row
             for (int s = warp; s < ncols; s += THREADS / 32) {  // k_s exp(G_r - G_s)
                 const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);
-                *reinterpret_cast<uint2*>(Ew + s * PE + c2) =
-                    split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
+                const uint2 y = split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
+                Eh[s * PE + lane] = y.x, El[s * PE + lane] = y.y;
             }
             for (int i = warp; i < 2 * SB; i += THREADS / 32) {  // k_t, then q_t, exp(G_t - G_r)
                 const int t = r + (i < SB ? i : i - SB);
                 const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);
-                *reinterpret_cast<uint2*>(Ew + (CH + i) * PE + c2) =
-                    split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
+                const uint2 y = split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
+                Eh[(CH + i) * PE + lane] = y.x, El[(CH + i) * PE + lane] = y.y;
             }
-            __syncthreads();
+            __syncthreads();  // the scaled rows are in place
             // [2 SB, ncols] += [2 SB, DH] x [DH, ncols]: m-tile 0 adds to A, m-tile 1 to Aqk;
             // on the diagonal block only s < t (A) and s <= t (Aqk) are kept
             for (int tile = warp; tile < 2 * (ncols / 8); tile += THREADS / 32) {
@@ -225,12 +238,24 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int kp = 0; kp < DH / 2; kp += 8)
-                    mma3(c, e, frag_a(Ew, PE, CH + SB * mt, kp, g, t4), frag_bt(Ew, PE, kp, n0, g, t4));
+                    mma3(c, e, frag_a(Eh, El, PE, CH + SB * mt, kp, lane),
+                         frag_bt(Eh, El, PE, kp, n0, lane));
                 float* dst = mt ? Ms : A;
+                if (n0 + 8 <= r) {  // off the diagonal block every element is kept: pairs
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int t = r + g + 8 * (i >> 1), sc = n0 + 2 * t4 + (i & 1);
-                    if (sc < t || (mt && sc == t)) dst[t * AP + sc] += c[i] + e[i];
+                    for (int hh = 0; hh < 2; ++hh) {
+                        float2* p =
+                            reinterpret_cast<float2*>(dst + (r + g + 8 * hh) * AP + n0 + 2 * t4);
+                        float2 y = *p;
+                        y.x += c[2 * hh] + e[2 * hh], y.y += c[2 * hh + 1] + e[2 * hh + 1];
+                        *p = y;
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int t = r + g + 8 * (i >> 1), sc = n0 + 2 * t4 + (i & 1);
+                        if (sc < t || (mt && sc == t)) dst[t * AP + sc] += c[i] + e[i];
+                    }
                 }
             }
             if (by_pairs) {
@@ -273,30 +298,32 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // blocks: block i's rows are x_r = b_r (rhs_r - C_r - sum_{s in block, s < r} A_rs x_s)
     // with C = A[block i, rows before it] X[rows before it] formed on tensor cores, so a
     // thread runs 120 dependent FMAs instead of 2 k and every warp keeps its column. X goes to
-    // shared memory as split words (the product's B operand) as each block is solved; u is
+    // shared memory as hi and lo planes (the product's B operand) as each block is solved; u is
     // written as fp32, w as split words in the walk's fragment order (lanes 2i and 2i+1 meet
     // in a shuffle) over the right-hand side k exp(G) parked there: a warp's 32 columns are
     // permuted among themselves only, so it reads a block's rows before it writes them.
-    constexpr int LX = CH + 8;           // split-word rows of token pairs: reads hit bank 8g + 2t
+    constexpr int LX = CH / 2 + 4;       // plane rows: words of token pairs, 16 bytes past 128
     constexpr int XK = CH - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
     constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
                             // same-address reads of a row go four at a time
-    constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * D * LX;
+    constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
     static_assert(DG_OFF + (CH / SB) * SB * DG <= L::A_OFF,
                   "X and the diagonal blocks fit below A");
-    static_assert(XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
-                  "A's rows in split words fit where Aqk was, C where A was");
+    static_assert(2 * XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
+                  "A's rows in planes fit where Aqk was, C where A was");
     static_assert(2 * D <= THREADS, "one solve column a thread");
-    unsigned* Xs = reinterpret_cast<unsigned*>(sm + X_OFF);  // [2D][LX]: X^T, pairs along t
+    unsigned* Xh = reinterpret_cast<unsigned*>(sm + X_OFF);  // [2][2D][LX]: X^T, pairs along t
+    unsigned* Xl = Xh + 2 * D * LX;
     float* Dg = sm + DG_OFF;                                  // [C/SB][SB][DG]: A's diagonal blocks
-    unsigned* As = reinterpret_cast<unsigned*>(Ms);  // [XK][LX]: A rows SB.., pairs along s
+    unsigned* Ah = reinterpret_cast<unsigned*>(Ms);  // [2][XK][LX]: A rows SB.., pairs along s
+    unsigned* Al = Ah + XK * LX;
     float* Cs = A;                                            // [SB][LC]
     __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read
     for (int i = tid; i < XK * XK / 2; i += THREADS) {  // rows SB.. of A, columns < XK
         const int r = i / (XK / 2), p = i % (XK / 2);
-        *reinterpret_cast<uint2*>(As + r * LX + 2 * p) =
-            split_pair(A[(SB + r) * AP + 2 * p], A[(SB + r) * AP + 2 * p + 1]);
+        const uint2 y = split_pair(A[(SB + r) * AP + 2 * p], A[(SB + r) * AP + 2 * p + 1]);
+        Ah[r * LX + p] = y.x, Al[r * LX + p] = y.y;
     }
     for (int i = tid; i < CH * SB; i += THREADS) {  // the diagonal blocks, fp32
         const int r = i / SB, c = i % SB;
@@ -324,10 +351,10 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const int n0 = NT * 8 * warp;
             float acc[NT][4] = {}, err[NT][4] = {};
             for (int kp = 0; kp < r0 / 2; kp += 8) {
-                const Frag fa = frag_a(As, LX, r0 - SB, kp, g, t4);
+                const Frag fa = frag_a(Ah, Al, LX, r0 - SB, kp, lane);
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
-                    mma3(acc[j], err[j], fa, frag_bt(Xs, LX, kp, n0 + 8 * j, g, t4));
+                    mma3(acc[j], err[j], fa, frag_bt(Xh, Xl, LX, kp, n0 + 8 * j, lane));
             }
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -362,9 +389,15 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
             if (r0 + SB < CH) {
 #pragma unroll
-                for (int q2 = 0; q2 < SB / 2; ++q2)
-                    *reinterpret_cast<uint2*>(Xs + col * LX + r0 + 2 * q2) =
-                        split_pair(x[2 * q2], x[2 * q2 + 1]);
+                for (int q4 = 0; q4 < SB / 8; ++q4) {  // four token pairs a 16-byte store
+                    uint2 y[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        y[i] = split_pair(x[8 * q4 + 2 * i], x[8 * q4 + 2 * i + 1]);
+                    const int o = col * LX + r0 / 2 + 4 * q4;
+                    *reinterpret_cast<uint4*>(Xh + o) = make_uint4(y[0].x, y[1].x, y[2].x, y[3].x);
+                    *reinterpret_cast<uint4*>(Xl + o) = make_uint4(y[0].y, y[1].y, y[2].y, y[3].y);
+                }
             }
         }
         __syncthreads();  // X's rows of this block are in place; C is read

@@ -40,7 +40,7 @@ _MARKS = (
      '            __syncthreads();', '\n            PH(0)'),
     ('tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);',
      '\n            if (r == 0) { PH(1) } else { PH(3) }'),
-    ('x.y * __expf(G.y - Gr.y));\n            }\n            __syncthreads();', '\n            PH(2)'),
+    ('            __syncthreads();  // the scaled rows are in place', '\n            PH(2)'),
     ('        __syncthreads();  // before the next dimensions overwrite G, k, q', '\n        PH(3)'),
     ('    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read',
      '\n    PH(4)'),
