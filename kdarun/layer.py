@@ -146,7 +146,7 @@ class Glm5NextKdaLayer:
                       ) -> dict[str, Callable[[int], None]]:
         """The launches of one prefill over t tokens, in order and by name, each a callable
         that enqueues them on the stream it is given: `prefill_with_pad_fill` runs them in this
-        order and the benchmark times them one by one. GEMM steps' names end in `_gemm`;
+        order, and the benchmark too, with an event between each. GEMM steps' names end in `_gemm`;
         chunk_intra then chunk_inter are the chunked core."""
         c, w, kn = self.cfg, self.weights, self.kernels
         gate_in = ws.ptr("gate_in")

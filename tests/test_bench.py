@@ -21,6 +21,17 @@ def test_bench_paths_on_host(host):
     assert "row 1 kernels_us: front_end_gemv" in table
 
 
+def test_step_medians_runs_the_steps_in_order_each_rep(host):
+    """A prefill's steps run in their order, once a rep (warm-up included), each with its own
+    median: they are timed inside the layer, not one by one."""
+    stream = host.create_stream()
+    calls: list[str] = []
+    steps = {n: (lambda s, n=n: calls.append(n)) for n in ("qkv_gemm", "conv", "o_proj_gemm")}
+    out = bench.step_medians(host, steps, stream, reps=3, warmup=2)
+    assert calls == ["qkv_gemm", "conv", "o_proj_gemm"] * 5
+    assert list(out) == list(steps) and all(v >= 0 for v in out.values())
+
+
 def test_medians_in_turn_alternates_and_takes_medians():
     """Timers are called in turn, rep by rep (warm-up included), and each gets its own median:
     a drift over the run falls on both alike."""

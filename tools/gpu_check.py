@@ -96,7 +96,7 @@ def main() -> int:
                              f"{r.ms:.3f} ms, core {r.core_ms:.3f} ms, GEMMs {r.gemm_ms:.3f} ms"
                              f"{vs}"))
                 print(rows[-1], flush=True)
-                print("  each step alone, ms: " + ", ".join(
+                print("  each step in the layer, ms: " + ", ".join(
                     f"{n} {v:.3f}" for n, v in r.kernels_ms.items()), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
