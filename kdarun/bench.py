@@ -209,9 +209,9 @@ def step_medians(gpu: GpuBackend, steps: dict[str, Callable[[int], None]], strea
                  reps: int, warmup: int) -> dict[str, float]:
     """Median ms of each step of one prefill, the steps run in order with an event between
     each: what a step takes inside the layer (its inputs where the layer leaves them, the
-    GPU's clocks as the layer runs it), so the steps add up to the layer. Timed alone, over and
-    over, a step measured up to 15% off its share (the large preset's GEMMs: 9.8 ms alone,
-    8.4 ms of the layer's kernel time)."""
+    GPU's clocks as the layer runs it); a rep's steps add up to that rep's layer. Timed alone,
+    over and over, a step measured up to 15% off its share (the large preset's GEMMs: 9.8 ms
+    alone, 8.4 ms of the layer's kernel time)."""
     times: dict[str, list[float]] = {n: [] for n in steps}
     for rep in range(warmup + reps):
         events = [gpu.create_event() for _ in range(len(steps) + 1)]
