@@ -17,6 +17,23 @@
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "common.cuh"
 
+// tools/intra_phases.py builds this file with -DKDA_INTRA_PHASES: thread 0 of each intra block
+// then adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i), one
+// mark after each block-wide barrier. In every other build the marks are nothing.
+#ifdef KDA_INTRA_PHASES
+__device__ unsigned long long phase_cycles[16];
+#define PHASES_BEGIN unsigned long long phase_t_ = clock64()
+#define PHASE(i)                                                   \
+    if (threadIdx.x == 0) {                                        \
+        const unsigned long long n_ = clock64();                   \
+        atomicAdd(&phase_cycles[i], n_ - phase_t_);                \
+        phase_t_ = n_;                                             \
+    }
+#else
+#define PHASES_BEGIN
+#define PHASE(i)
+#endif
+
 #define CH 64
 #define THREADS 256        // kda_chunk_intra's threads (kernels.py launches them so)
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
@@ -123,6 +140,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     const u64 blk = ((u64)ci * H + h) * CH * D;  // the outputs: one block a (chunk, head)
 
     for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
+    PHASES_BEGIN;
     if (tid < CH) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
 
     for (int d0 = 0; d0 < D; d0 += DH) {
@@ -167,6 +185,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 #pragma unroll
             for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;
             __syncthreads();
+            PHASE(0);
         }
         // what the walk and the solve need elementwise: gl, qg and kd^T (as split words in the
         // walk's fragment order), and k exp(G), the solve's right-hand side, parked in w_out
@@ -211,6 +230,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             // also: Es is free (totals read, or the last block row's products done)
             const bool by_pairs = __syncthreads_or(
                 tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);
+            PHASE(r == 0 ? 1 : 3);  // the element-wise loops, or the last block row's products
             const int ncols = by_pairs ? r : r + SB;  // columns the products cover
             unsigned* Eh = reinterpret_cast<unsigned*>(Es);  // hi plane, pairs along d
             unsigned* El = Eh + L::EROWS * PE;                  // lo plane
@@ -231,6 +251,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 Eh[(CH + i) * PE + lane] = y.x, El[(CH + i) * PE + lane] = y.y;
             }
             __syncthreads();  // the scaled rows are in place
+            PHASE(2);
             // [2 SB, ncols] += [2 SB, DH] x [DH, ncols]: m-tile 0 adds to A, m-tile 1 to Aqk;
             // on the diagonal block only s < t (A) and s <= t (Aqk) are kept
             for (int tile = warp; tile < 2 * (ncols / 8); tile += THREADS / 32) {
@@ -284,6 +305,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
         }
         __syncthreads();  // before the next dimensions overwrite G, k, q
+        PHASE(3);
     }
     {  // Aqk as split words, rows t with s-pairs in the walk's fragment order
         unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
@@ -320,6 +342,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     unsigned* Al = Ah + XK * LX;
     float* Cs = A;                                            // [SB][LC]
     __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read
+    PHASE(4);
     for (int i = tid; i < XK * XK / 2; i += THREADS) {  // rows SB.. of A, columns < XK
         const int r = i / (XK / 2), p = i % (XK / 2);
         const uint2 y = split_pair(A[(SB + r) * AP + 2 * p], A[(SB + r) * AP + 2 * p + 1]);
@@ -330,6 +353,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         Dg[(r / SB) * SB * DG + (r % SB) * DG + c] = A[r * AP + (r / SB) * SB + c];
     }
     __syncthreads();  // A is read: C goes there
+    PHASE(5);
     const int col = tid, dc = col < D ? col : col - D;
     float* dst = col < D ? u_out + blk + dc : w_out + blk + bfo_word(dc / 2) + 2 * (dc & 1);
     for (int bi = 0; bi < CH / SB; ++bi) {
@@ -364,6 +388,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                         make_float2(acc[j][2 * hh] + err[j][2 * hh],
                                     acc[j][2 * hh + 1] + err[j][2 * hh + 1]);
             __syncthreads();  // C complete
+            PHASE(6);
         }
         if (col < 2 * D) {
             float x[SB];
@@ -401,6 +426,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
         }
         __syncthreads();  // X's rows of this block are in place; C is read
+        PHASE(7);
     }
 }
 

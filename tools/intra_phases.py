@@ -3,16 +3,13 @@
 
     python3 tools/intra_phases.py --preset large --tokens 16384
 
-A copy of chunk.cu gets a mark after each block-wide barrier of the intra kernel: thread 0
-adds the clock64() cycles since its last mark into a __device__ array, so each phase is the
-block's time from barrier to barrier, summed over both passes and over the solve's blocks.
-The layer runs one prefill on random weights, then the copy replaces the chunk module and
-runs the intra step once more. It prints the kernel's time with and without the marks, and
-each phase's cycles a (chunk, head) block and share. Two blocks share an SM, so a phase's
-cycles include the other block's competition.
-
-The marks are anchored on chunk.cu's barrier lines and their comments; `instrument` raises
-if one is missing, and a CPU test checks that every anchor is still there.
+chunk.cu's intra kernel carries a mark after each block-wide barrier, built only with
+-DKDA_INTRA_PHASES: thread 0 then adds the clock64() cycles since its last mark into a
+__device__ array, so each phase is the block's time from barrier to barrier, summed over both
+passes and over the solve's blocks. The layer runs one prefill on random weights, then the
+marked build replaces the chunk module and runs the intra step once more. It prints the
+kernel's time with and without the marks, and each phase's cycles a (chunk, head) block and
+share. Two blocks share an SM, so a phase's cycles include the other block's competition.
 """
 
 from __future__ import annotations
@@ -27,36 +24,7 @@ PHASES = ("loads + cumulative sum", "qg / kd / k exp(G) element-wise", "scaled r
           "A / Aqk products", "Aqk out (split words)", "A split, solve set-up",
           "solve: right-hand sides + C", "solve: block, stores")
 
-_PRELUDE = ('\n__device__ unsigned long long phase_cycles[16];\n'
-            '#define PH(i) if (threadIdx.x == 0) { const unsigned long long n_ = clock64(); '
-            'atomicAdd(&phase_cycles[i], n_ - t_); t_ = n_; }\n')
-
-# (anchor, what follows it): each anchor must occur in chunk.cu
-_MARKS = (
-    ('#include "common.cuh"\n', _PRELUDE),
-    ('    for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;',
-     '\n    unsigned long long t_ = clock64();'),
-    ('            for (int j = 0; j < SL; ++j) Gs[(seg * SL + j) * P + d] = gv[j] + off;\n'
-     '            __syncthreads();', '\n            PH(0)'),
-    ('tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);',
-     '\n            if (r == 0) { PH(1) } else { PH(3) }'),
-    ('            __syncthreads();  // the scaled rows are in place', '\n            PH(2)'),
-    ('        __syncthreads();  // before the next dimensions overwrite G, k, q', '\n        PH(3)'),
-    ('    __syncthreads();  // k exp(G) in w_out is visible; G, k, q, Es are free; Aqk read',
-     '\n    PH(4)'),
-    ('    __syncthreads();  // A is read: C goes there', '\n    PH(5)'),
-    ('            __syncthreads();  // C complete', '\n            PH(6)'),
-    ("        __syncthreads();  // X's rows of this block are in place; C is read", '\n        PH(7)'),
-)
-
-
-def instrument(src: str) -> str:
-    """chunk.cu's source with the phase marks added after each anchor."""
-    for anchor, mark in _MARKS:
-        if src.count(anchor) != 1:
-            raise ValueError(f"intra_phases: anchor not found once in chunk.cu: {anchor!r}")
-        src = src.replace(anchor, anchor + mark)
-    return src
+DEFINE = "-DKDA_INTRA_PHASES"  # the build with the marks
 
 
 def main() -> int:
@@ -82,8 +50,8 @@ def main() -> int:
     intra = layer.prefill_steps(h, T, state, ws)["chunk_intra"]
     plain = median_ms(gpu, lambda: intra(0), 0, 10, 3)
 
-    raw = cp.RawModule(code=instrument((kernels_dir() / "chunk.cu").read_text()),
-                       options=("-std=c++17", f"-I{kernels_dir()}"))
+    raw = cp.RawModule(code=(kernels_dir() / "chunk.cu").read_text(),
+                       options=("-std=c++17", f"-I{kernels_dir()}", DEFINE))
     raw.compile()
     kernels = layer.kernels
     kernels.modules["chunk"] = type(kernels.modules["chunk"])("chunk+phases", raw)
