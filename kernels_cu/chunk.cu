@@ -66,26 +66,22 @@ struct Frag {
 // tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
 // by ldmatrix: the registers arrive in the order the MMA takes them (rows of (hi, lo) word
 // pairs took register moves to get there, ~2.5 an MMA).
-__device__ __forceinline__ uint4 ldsm4(const unsigned* row) {  // lane 8 j + i: row i of tile j
-    uint4 r;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "r"((unsigned)__cvta_generic_to_shared(row)));
-    return r;
-}
 
 __device__ __forceinline__ Frag frag_a(const unsigned* hi, const unsigned* lo, int ld, int m0,
                                        int kp0, int lane) {
     const int off = (m0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ld + kp0 + 4 * (lane >> 4);
-    const uint4 h = ldsm4(hi + off), l = ldsm4(lo + off);
-    return {{h.x, h.y, h.z, h.w}, {l.x, l.y, l.z, l.w}};
+    Frag f;
+    ldmatrix_x4(f.hi, hi + off);
+    ldmatrix_x4(f.lo, lo + off);
+    return f;
 }
 
 __device__ __forceinline__ Frag frag_bt(const unsigned* hi, const unsigned* lo, int ld, int kp0,
                                         int n0, int lane) {
     const int j = lane >> 3;  // tiles: hi, hi 8 k on, lo, lo 8 k on
-    const uint4 x = ldsm4((j >> 1 ? lo : hi) + (n0 + (lane & 7)) * ld + kp0 + 4 * (j & 1));
-    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
+    unsigned x[4];
+    ldmatrix_x4(x, (j >> 1 ? lo : hi) + (n0 + (lane & 7)) * ld + kp0 + 4 * (j & 1));
+    return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
 // big + small += a b: the hi x hi products and the two correction terms accumulate apart

@@ -55,6 +55,16 @@ __device__ __forceinline__ void mma_bf16(float c[4], const unsigned a[4], const 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Four 8 x 8 b16 tiles from shared memory: lane 8 j + i names row i of tile j, and r[j] gets
+// this lane's word of tile j (row lane / 4, columns 2 (lane % 4), + 1), the fragment order of
+// mma_bf16's operands.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
 // Asynchronous 16-byte copies global -> shared through L2 only; `bytes` < 16 copies that many
 // and zero-fills the rest (0: a pure zero fill, src is not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned bytes = 16) {

@@ -27,13 +27,6 @@ struct NoWait {
     __device__ void operator()() const {}
 };
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 // W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile; true in the warp that then holds the sums
 // in out: rows n0+g and n0+g+8 at token columns 2t and 2t+1 (lane = 4g + t). Every warp of the
 // block must call it (it synchronises the block). Share j of ks takes stages j, j+ks, ...;
