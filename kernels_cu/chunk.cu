@@ -66,6 +66,9 @@ struct Frag {
 // tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
 // by ldmatrix: the registers arrive in the order the MMA takes them (rows of (hi, lo) word
 // pairs took register moves to get there, ~2.5 an MMA).
+__host__ __device__ constexpr int plane_ld(int words) {  // words a row: a multiple of 32, + 16 bytes
+    return words + 4;
+}
 
 __device__ __forceinline__ Frag frag_a(const unsigned* hi, const unsigned* lo, int ld, int m0,
                                        int kp0, int lane) {
@@ -110,7 +113,7 @@ __host__ __device__ __forceinline__ int bfo_word(int p) {  // the hi word of k-p
 struct Intra {
     static constexpr int DH = 64;        // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
-    static constexpr int PE = DH / 2 + 4;  // scaled rows: words a row of the hi and lo planes
+    static constexpr int PE = plane_ld(DH / 2);  // scaled rows: the hi and lo planes' rows
     static constexpr int SB = 16;        // the factorisation's block of rows
     static constexpr int EROWS = CH + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
     static constexpr int G_OFF = 0, K_OFF = CH * P, Q_OFF = 2 * CH * P, E_OFF = 3 * CH * P;
@@ -320,7 +323,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // written as fp32, w as split words in the walk's fragment order (lanes 2i and 2i+1 meet
     // in a shuffle) over the right-hand side k exp(G) parked there: a warp's 32 columns are
     // permuted among themselves only, so it reads a block's rows before it writes them.
-    constexpr int LX = CH / 2 + 4;       // plane rows: words of token pairs, 16 bytes past 128
+    constexpr int LX = plane_ld(CH / 2);  // X's and A's plane rows: words of token pairs
     constexpr int XK = CH - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
     constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
