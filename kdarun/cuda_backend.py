@@ -117,13 +117,16 @@ class CupyBackend(GpuBackend):
         return _CudaGraph(self, graph)
 
     # -- kernels ---------------------------------------------------------------------------
-    def load_module(self, family: str) -> Any:
+    def load_module(self, family: str, defines: Sequence[str] = ()) -> Any:
+        """`defines` ("-DNAME") build a variant, such as chunk.cu's phase marks for
+        tools/intra_phases.py; it is a module of its own, its functions cached apart."""
         src = kernels_dir() / f"{family}.cu"
         if not src.exists():
             raise KdaError(f"kernel family {family!r}: {src} not found")
-        raw = cp.RawModule(code=src.read_text(), options=("-std=c++17", f"-I{kernels_dir()}"))
+        raw = cp.RawModule(code=src.read_text(),
+                           options=("-std=c++17", f"-I{kernels_dir()}", *defines))
         raw.compile()
-        return _Module(family, raw)
+        return _Module(" ".join((family, *defines)), raw)
 
     def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:

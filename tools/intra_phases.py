@@ -38,7 +38,6 @@ def main() -> int:
     import numpy as np
 
     from kdarun import open_backend, synthetic
-    from kdarun.backend import kernels_dir
     from kdarun.bench import median_ms, random_layer
     from kdarun.config import CHUNK
 
@@ -50,13 +49,9 @@ def main() -> int:
     intra = layer.prefill_steps(h, T, state, ws)["chunk_intra"]
     plain = median_ms(gpu, lambda: intra(0), 0, 10, 3)
 
-    raw = cp.RawModule(code=(kernels_dir() / "chunk.cu").read_text(),
-                       options=("-std=c++17", f"-I{kernels_dir()}", DEFINE))
-    raw.compile()
-    kernels = layer.kernels
-    kernels.modules["chunk"] = type(kernels.modules["chunk"])("chunk+phases", raw)
+    marked_module = layer.kernels.modules["chunk"] = gpu.load_module("chunk", (DEFINE,))
     marked = median_ms(gpu, lambda: intra(0), 0, 10, 3)
-    cycles = cp.ndarray((16,), cp.uint64, raw.get_global("phase_cycles"))
+    cycles = cp.ndarray((16,), cp.uint64, marked_module.raw.get_global("phase_cycles"))
     cycles.fill(0)
     intra(0)
     gpu.synchronize(0)
