@@ -1,30 +1,26 @@
 // Output gate: RMSNorm over each head's D core values, times o_norm weight and
 // sigmoid(out_gate); one warp per (token, head), each lane D/32 adjacent values (one 16- or
 // 8-byte load of core, one 8- or 4-byte store).
-#include "common.cuh"
+#include "norm.cuh"
 
 template <int DL>
 __device__ void gated_rmsnorm_vec(const float* __restrict__ core, const bf16* __restrict__ out_gate,
                                   const float* __restrict__ w, bf16* __restrict__ out, u64 vec,
                                   int lane, int D, float eps) {
     const u64 o = vec * D + DL * lane;
-    float v[DL], ss = 0.0f;
+    float x[DL], wv[DL], g[DL];
+    unsigned y[DL / 2];
 #pragma unroll
     for (int e = 0; e < DL; e += 2) {
-        const float2 x = *reinterpret_cast<const float2*>(core + o + e);
-        v[e] = x.x, v[e + 1] = x.y;
-        ss = __fmaf_rn(x.x, x.x, ss);
-        ss = __fmaf_rn(x.y, x.y, ss);
-    }
-    const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
-#pragma unroll
-    for (int e = 0; e < DL; e += 2) {
-        const unsigned gp = *reinterpret_cast<const unsigned*>(out_gate + o + e);
+        const float2 c = *reinterpret_cast<const float2*>(core + o + e);
         const float2 wp = *reinterpret_cast<const float2*>(w + DL * lane + e);
-        *reinterpret_cast<unsigned*>(out + o + e) =
-            pack_bf16x2(v[e] * inv * wp.x * sigmoidf_(__uint_as_float(gp << 16)),
-                        v[e + 1] * inv * wp.y * sigmoidf_(__uint_as_float(gp & 0xffff0000u)));
+        const unsigned gp = *reinterpret_cast<const unsigned*>(out_gate + o + e);
+        x[e] = c.x, x[e + 1] = c.y, wv[e] = wp.x, wv[e + 1] = wp.y;
+        g[e] = __uint_as_float(gp << 16), g[e + 1] = __uint_as_float(gp & 0xffff0000u);
     }
+    gated_rms(x, wv, g, D, eps, y);
+#pragma unroll
+    for (int e = 0; e < DL; e += 2) *reinterpret_cast<unsigned*>(out + o + e) = y[e / 2];
 }
 
 // One wave of blocks, each warp taking (token, head) vectors grid-stride: 8% faster on an H200

@@ -6,7 +6,7 @@
 // write of the state instead of K; each token runs the same code, so K rows are bit-identical
 // to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
 // decode and the stage dumps see the same operands.
-#include "common.cuh"
+#include "norm.cuh"
 
 #define ROWS_PER_WARP 8
 #define MAX_W 8  // the config allows conv widths up to 8
@@ -72,14 +72,13 @@ __device__ __forceinline__ void decode_rows(
         }
     }
     // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
-    // finish needs them), warp `row` for token row `row`, lane dims lane + 32 e.
+    // finish needs them), warp `row` for token row `row`, lane dims E lane.. (gated_rms's order).
     float og[E], nw[E];
-    if (warp < nrows)
+    if (warp < nrows) {
+        ldv(nw, o_norm_w + lane * E);
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            og[e] = bf2f(out_gate[(u64)warp * qkv + h * D + lane + 32 * e]);
-            nw[e] = o_norm_w[lane + 32 * e];
-        }
+        for (int e = 0; e < E; ++e) og[e] = bf2f(out_gate[(u64)warp * qkv + h * D + lane * E + e]);
+    }
     for (int row = 0; row < nrows; ++row) {
         // beta is needed only after the conv and its two barriers: its load goes first
         const float b = warp < RW ? beta[(u64)row * H + h] : 0.0f;
@@ -164,19 +163,14 @@ __device__ __forceinline__ void decode_rows(
     if (last) {
         __threadfence();
         if (warp < nrows) {
-            const int row = warp;
-            float v[E], ss = 0.0f;
+            const u64 o = (u64)warp * qkv + h * D + lane * E;  // row `warp`
+            float v[E];
+            unsigned y[E / 2];
 #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                v[e] = __ldcg(core + (u64)row * qkv + h * D + lane + 32 * e);
-                ss = __fmaf_rn(v[e], v[e], ss);
-            }
-            const float inv = 1.0f / sqrtf(warp_sum(ss) / D + eps);
+            for (int e = 0; e < E; ++e) v[e] = __ldcg(core + o + e);
+            gated_rms(v, nw, og, D, eps, y);
 #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                o_norm_out[(u64)row * qkv + h * D + lane + 32 * e] =
-                    f2bf(v[e] * inv * nw[e] * sigmoidf_(og[e]));
-            }
+            for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
         }
         if (p < 2)
 #pragma unroll

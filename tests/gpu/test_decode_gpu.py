@@ -54,6 +54,19 @@ def test_decode_stages_match_host_and_reference(pair):
     assert rel(cu.ws.read("gate", 1)[:1], gate) < FP32_TOL
 
 
+def test_decode_norm_bit_identical_to_prefill_norm(pair):
+    """Decode's fused gated RMSNorm and prefill's gated_rmsnorm share one formula: fed the
+    core and out_gate rows a decode wrote, the prefill kernel writes decode's bits."""
+    cu, _ = pair
+    _decode_both(pair, 150)
+    ws = cu.ws
+    want = ws.read("o_norm_out", 1)
+    cu.gpu.memset(ws.o_norm_out, 0xFF, ws.nbytes("o_norm_out", 1), 0)  # NaN
+    cu.layer.kernels.gated_rmsnorm(0, ws.core, ws.out_gate, cu.layer.weights.o_norm,
+                                   ws.o_norm_out, 1)
+    assert np.array_equal(bits(ws.read("o_norm_out", 1)), bits(want))
+
+
 def test_decode_chain_64_steps(pair):
     """Host-prefilled state, then 64 CUDA decodes: outputs and final state vs float64."""
     cu, ho = pair
