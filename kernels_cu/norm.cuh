@@ -1,6 +1,5 @@
 // The output gate's formula, shared by prefill's gated_rmsnorm and decode's fused kernel so a
-// core row gives the same bf16 bits on either path (prefill of T + 1 against prefill of T and
-// a decode then differs only by the cores).
+// core row gives the same bf16 bits on either path.
 #pragma once
 #include "common.cuh"
 
