@@ -54,10 +54,10 @@ def walk_threads(vs: int) -> int:
 
 def walk_smem_bytes(d: int, vs: int) -> int:
     """Shared memory of kda_chunk_inter_d{d}_v{vs}: the `Walk` layout in chunk.cu, in 4-byte
-    words (w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; and each warp's hand-over to its
-    partner: C fragments of W^T [16, C] and half of O^T [16, C/2])."""
+    words (w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each warp's hand-over to its
+    partner: C fragments of W^T [16, C] and half of O^T [16, C/2]; gl [D])."""
     handover = 16 * (CHUNK + CHUNK // 2)
-    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + walk_threads(vs) // 32 * handover)
+    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + walk_threads(vs) // 32 * handover + d)
 
 
 def gemv_smem_bytes() -> int:

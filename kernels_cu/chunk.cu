@@ -438,9 +438,12 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 // Each half forms its partial products over its own dimensions and the two meet once a chunk
 // in shared memory (W^T and O^T sum over all of D): two barriers a chunk, where S and W kept in
 // shared memory took four and held the tensor pipe 30% busy (38% this way).
-// w and qg are double-buffered and copied a chunk ahead; kd and Aqk land during the first
-// products; u and gl go straight to registers. Staged rows keep bfo_word's order, their 16-byte
-// units swizzled by row parity, so a quarter-warp's loads (rows n, n + 1) hit distinct banks.
+// w and qg are double-buffered and copied a chunk ahead; kd, Aqk and gl land during the first
+// products. gl is read from shared memory after the hand-over (the decay applied just before
+// S's update) and u from L2 after the first products: held in registers across those products
+// they took 16 and 32 a thread, and CuPy's build of the wide walk spilled 48 bytes. Staged rows
+// keep bfo_word's order, their 16-byte units swizzled by row parity, so a quarter-warp's loads
+// (rows n, n + 1) hit distinct banks.
 template <int D, int VS>
 struct Walk {
     static constexpr int WARPS = VS / 8;  // VS / 16 row groups x 2 halves of D
@@ -450,7 +453,7 @@ struct Walk {
     static constexpr int XW = (NTC + NTC / 2) * 128;  // a warp's hand-over: W^T, half of O^T
     static constexpr int W_OFF = 0, Q_OFF = 2 * CH * D, K_OFF = 4 * CH * D;  // w, qg: 2 buffers
     static constexpr int A_OFF = K_OFF + D * CH, X_OFF = A_OFF + CH * CH;
-    static constexpr int WORDS = X_OFF + WARPS * XW;
+    static constexpr int GL_OFF = X_OFF + WARPS * XW, WORDS = GL_OFF + D;
 };
 
 // Queue a block of ROWS rows of UNITS 16-byte units, each row's units swizzled by its parity.
@@ -493,6 +496,7 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
     constexpr int DK = L::DK, NTD = L::NTD, NTC = L::NTC, HT = NTC / 2, NT = L::BLOCK;
     extern __shared__ __align__(16) unsigned smw[];
     unsigned *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
+    const float* Gl = reinterpret_cast<const float*>(smw + L::GL_OFF);
     const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int half = warp & 1, dk0 = half * DK;         // this warp's dimensions
@@ -525,22 +529,20 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         __syncthreads();  // w, qg (ci) landed; the last chunk's reads of kd, Aqk, hand-overs done
         stage_rows<D, CH / 4, NT>(Kb, kd + ((u64)ci * H + h) * D * CH);
         stage_rows<CH, CH / 4, NT>(Ab, aqk + ((u64)ci * H + h) * CH * CH);
+        if (threadIdx.x < D / 4)
+            cp_async16(smw + L::GL_OFF + 4 * threadIdx.x,
+                       gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
         cp_commit();
         if (ci + 1 < nchunks) issue_wq(ci + 1);
         cp_commit();
-        // u (half 0 subtracts it) and gl reach registers while the first products run
-        float uv[NTC][4], glv[NTD][2];
-        const float* ub = u_in + (((u64)ci * H + h) * CH + 2 * t4) * D + vr + g;  // u[c][v]
-#pragma unroll
-        for (int j = 0; j < NTC; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                uv[j][i] = half ? 0.0f : ub[(8 * j + (i & 1)) * D + 8 * (i >> 1)];
-#pragma unroll
-        for (int j = 0; j < NTD; ++j) {
-            const float2 x = *reinterpret_cast<const float2*>(gl + ((u64)ci * H + h) * D + dk0 +
-                                                              8 * j + 2 * t4);
-            glv[j][0] = x.x, glv[j][1] = x.y;
+        // u (half 0 subtracts it) is fetched into L2 now and read after the first products:
+        // held in registers across them it took 32 a thread
+        const u64 urow = ((u64)ci * H + h) * CH;
+        constexpr int ULINES = VS / 32;  // 128-byte lines a row
+        if (threadIdx.x < CH * ULINES) {
+            const float* line = u_in + (urow + threadIdx.x / ULINES) * D + blockIdx.y * VS +
+                                32 * (threadIdx.x % ULINES);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
 
         // W^T and O^T over this half's dimensions. O's slot j is t-tile (j + HT half) % NTC:
@@ -559,20 +561,24 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
             }
         }
 #pragma unroll
-        for (int j = 0; j < NTD; ++j)
-            S[j][0] *= glv[j][0], S[j][1] *= glv[j][1], S[j][2] *= glv[j][0], S[j][3] *= glv[j][1];
-#pragma unroll
         for (int j = 0; j < NTC; ++j) {
-            if (!half)
+            if (!half) {
+                const float* ub = u_in + (urow + 8 * j + 2 * t4) * D + vr + g;  // u[c][v]
 #pragma unroll
-                for (int i = 0; i < 4; ++i) P[j][i] = uv[j][i] - P[j][i];
+                for (int i = 0; i < 4; ++i) P[j][i] = ub[(i & 1) * D + 8 * (i >> 1)] - P[j][i];
+            }
             give[j * 32 + lane] = make_float4(P[j][0], P[j][1], P[j][2], P[j][3]);
         }
 #pragma unroll
         for (int j = HT; j < NTC; ++j)
             give[(NTC + j - HT) * 32 + lane] = make_float4(O[j][0], O[j][1], O[j][2], O[j][3]);
         cp_wait<1>();
-        __syncthreads();  // kd, Aqk (ci) landed; both halves' hand-overs written
+        __syncthreads();  // kd, Aqk, gl (ci) landed; both halves' hand-overs written
+#pragma unroll
+        for (int j = 0; j < NTD; ++j) {
+            const float2 x = *reinterpret_cast<const float2*>(Gl + dk0 + 8 * j + 2 * t4);
+            S[j][0] *= x.x, S[j][1] *= x.y, S[j][2] *= x.x, S[j][3] *= x.y;
+        }
 
         // v^T = (u^T - W^T of half 0) - W^T of half 1: the same bits in both halves
 #pragma unroll
