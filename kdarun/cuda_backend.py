@@ -128,6 +128,11 @@ class CupyBackend(GpuBackend):
         raw.compile()
         return _Module(" ".join((family, *defines)), raw)
 
+    def module_global(self, module: "_Module", name: str) -> DevicePtr:
+        """The device address of a `__device__` variable of a loaded module (such as
+        chunk.cu's phase counters in its marked build)."""
+        return DevicePtr(module.raw.get_global(name).ptr)
+
     def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:
         key = (module.family, kernel)

@@ -34,7 +34,6 @@ def main() -> int:
     ap.add_argument("--gate", choices=("softplus", "bounded"), default="bounded")
     args = ap.parse_args()
 
-    import cupy as cp
     import numpy as np
 
     from kdarun import open_backend, synthetic
@@ -51,12 +50,14 @@ def main() -> int:
 
     marked_module = layer.kernels.modules["chunk"] = gpu.load_module("chunk", (DEFINE,))
     marked = median_ms(gpu, lambda: intra(0), 0, 10, 3)
-    cycles = cp.ndarray((16,), cp.uint64, marked_module.raw.get_global("phase_cycles"))
-    cycles.fill(0)
+    counters = gpu.module_global(marked_module, "phase_cycles")  # unsigned long long [16]
+    cycles = np.zeros(16, np.uint64)
+    gpu.memset(counters, 0, cycles.nbytes, 0)
     intra(0)
+    gpu.copy_d2h(cycles, counters, 0)
     gpu.synchronize(0)
     blocks = cfg.t_pad(T) // CHUNK * cfg.num_heads
-    per = cycles.get()[:len(PHASES)].astype(np.float64) / blocks
+    per = cycles[:len(PHASES)].astype(np.float64) / blocks
     print(f"{gpu.device_name}, {args.preset} T={T}: kda_chunk_intra {plain:.3f} ms "
           f"({marked:.3f} with the marks); {blocks} blocks of {per.sum():.0f} cycles")
     for name, c in zip(PHASES, per):
