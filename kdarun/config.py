@@ -17,6 +17,7 @@ from .backend import KdaError
 CHUNK = 64  # C: the chunk length of the WY prefill
 MAX_DECODE_ROWS = 8  # decode_k's K at most: rows one GEMV launch and one decode walk serve
 SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_CONV_KERNEL = 8  # W at most: the conv kernels' window (MAX_W in common.cuh)
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class Glm5NextKdaConfig:
                       self.hidden_size)
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise bad("linear_attn_config.head_dim", f"one of {SUPPORTED_HEAD_DIMS}", self.head_dim)
-        if not 2 <= self.conv_kernel <= 8:
-            raise bad("linear_attn_config.short_conv_kernel_size", "in [2, 8]", self.conv_kernel)
+        if not 2 <= self.conv_kernel <= MAX_CONV_KERNEL:
+            raise bad("linear_attn_config.short_conv_kernel_size", f"in [2, {MAX_CONV_KERNEL}]",
+                      self.conv_kernel)
         if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
             raise bad("rms_norm_eps", "a number in (0, 1)", self.rms_norm_eps)
         lb = self.gate_lower_bound

@@ -4,6 +4,7 @@
 
 typedef unsigned short bf16;
 typedef unsigned long long u64;  // 64-bit offsets; NVRTC has no <cstddef>
+#define MAX_W 8  // the widest short conv the kernels take (config.MAX_CONV_KERNEL)
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
 

@@ -3,8 +3,6 @@
 // conv is fused into kda_decode_row (recurrent.cu).
 #include "common.cuh"
 
-#define MAX_W 8  // the config allows conv widths up to 8
-
 #define CONV_TOKENS 16  // consecutive tokens a thread walks
 
 // One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,

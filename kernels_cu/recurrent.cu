@@ -9,7 +9,6 @@
 #include "norm.cuh"
 
 #define ROWS_PER_WARP 8
-#define MAX_W 8  // the config allows conv widths up to 8
 #define SPLIT 4  // blocks a head: each owns D/SPLIT state rows, so H x 4 blocks fill the GPU
 
 // A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of

@@ -13,13 +13,14 @@ import pytest
 
 from kdarun import kernels
 from kdarun.backend import kernels_dir
-from kdarun.config import CHUNK, MAX_DECODE_ROWS
+from kdarun.config import CHUNK, MAX_CONV_KERNEL, MAX_DECODE_ROWS
 
 PRINT_CHUNK_LAYOUTS = r"""
 #include "chunk.cu"
 #include <cstdio>
 int main() {
     printf("CH %d\nTHREADS %d\nAP %d\nintra %d\n", CH, THREADS, AP, Intra::FLOATS * 4);
+    printf("MAX_W %d\n", MAX_W);
     printf("walk_64_32 %d\nwalk_64_64 %d\nwalk_128_32 %d\nwalk_128_64 %d\n",
            Walk<64, 32>::WORDS * 4, Walk<64, 64>::WORDS * 4, Walk<128, 32>::WORDS * 4,
            Walk<128, 64>::WORDS * 4);
@@ -47,6 +48,7 @@ def test_chunk_constants_match(chunk_layouts):
     assert chunk_layouts["CH"] == CHUNK
     assert chunk_layouts["THREADS"] == kernels.THREADS
     assert chunk_layouts["AP"] == kernels.CHUNK_AP
+    assert chunk_layouts["MAX_W"] == MAX_CONV_KERNEL  # the conv kernels' widest window
 
 
 def test_chunk_shared_memory_matches(chunk_layouts):
