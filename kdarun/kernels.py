@@ -47,17 +47,25 @@ def intra_smem_bytes() -> int:
 
 
 def walk_threads(vs: int) -> int:
-    """kda_chunk_inter_d*_v{vs}'s block (`Walk::BLOCK` in chunk.cu): a warp for each 16 state
-    rows and each half of D."""
-    return 32 * (vs // 16) * 2
+    """kda_chunk_inter_d*_v{vs}'s block: a chain warp for each 16 state rows and each half of D
+    (`Walk::BLOCK` in chunk.cu); the narrow slice adds as many output warps (`WalkSplit`)."""
+    chain = 32 * (vs // 16) * 2
+    return 2 * chain if vs == WALK_SLICES[0] else chain
 
 
 def walk_smem_bytes(d: int, vs: int) -> int:
-    """Shared memory of kda_chunk_inter_d{d}_v{vs}: the `Walk` layout in chunk.cu, in 4-byte
-    words (w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each warp's hand-over to its
-    partner: C fragments of W^T [16, C] and half of O^T [16, C/2]; gl [D])."""
+    """Shared memory of kda_chunk_inter_d{d}_v{vs}, in 4-byte words. The wide slice (`Walk` in
+    chunk.cu): w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each warp's hand-over to its
+    partner, C fragments of W^T [16, C] and half of O^T [16, C/2]; gl [D]. The narrow slice
+    (`WalkSplit`): w twice, kd^T, Aqk twice; twice the A fragments the output warps take, S^T
+    [vs, d] and v^T [vs, C] as hi and lo words; the chain warps' hand-overs of W^T; gl."""
+    chain_warps = vs // 16 * 2
+    if vs == WALK_SLICES[0]:
+        fragments = 2 * (vs * d + vs * CHUNK)
+        words = 2 * CHUNK * d + d * CHUNK + 2 * CHUNK * CHUNK + fragments
+        return 4 * (words + chain_warps * 16 * CHUNK + d)
     handover = 16 * (CHUNK + CHUNK // 2)
-    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + walk_threads(vs) // 32 * handover + d)
+    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + chain_warps * handover + d)
 
 
 def gemv_smem_bytes() -> int:

@@ -430,39 +430,55 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 }
 
 // ---- walk: the chunks in order, one (head, VS-column slice of V) a block ---------------------
-// The state slice rides transposed, S^T [VS, D] (the state's own [Dv, Dk] layout), in registers:
-// warp (r, half) holds rows 16 r.. and the D/2 dimensions of its half as C fragments. A C
-// fragment is also an A fragment, so every product of the chain takes its A from registers:
+// The state slice rides transposed, S^T [VS, D] (the state's own [Dv, Dk] layout), in the
+// registers of the chain warps: warp (r, half) holds rows 16 r.. and the D/2 dimensions of its
+// half as C fragments. A C fragment is also an A fragment, so every product takes its A from
+// registers:
 //   W^T = S^T w^T, v^T = u^T - W^T (the chunk's new values, v = u - w S),
 //   O^T = S^T qg^T + v^T Aqk^T,   S^T = S^T diag(gl) + v^T kd.
 // Each half forms its partial products over its own dimensions and the two meet once a chunk
-// in shared memory (W^T and O^T sum over all of D): two barriers a chunk, where S and W kept in
-// shared memory took four and held the tensor pipe 30% busy (38% this way).
-// w and qg are double-buffered and copied a chunk ahead; kd, Aqk and gl land during the first
-// products. gl is read from shared memory after the hand-over (the decay applied just before
-// S's update) and u from L2 after the first products: held in registers across those products
-// they took 16 and 32 a thread, and CuPy's build of the wide walk spilled 48 bytes. Staged rows
-// keep bfo_word's order, their 16-byte units swizzled by row parity, so a quarter-warp's loads
-// (rows n, n + 1) hit distinct banks.
-template <int D, int VS>
+// in shared memory (W^T, and O^T where the chain forms it, sum over all of D): two barriers a
+// chunk, where S and W kept in shared memory took four and held the tensor pipe 30% busy.
+// O is off the chain: the next chunk needs only S. With the wide slice the register file holds
+// the chain warps alone, and they form O too. With the narrow slice (SPLIT) a block has one
+// chain warp a scheduler, and as many output warps take O: the chain warps hand them the A
+// fragments they form anyway (S^T before its update, v^T) through a double buffer, and the
+// output warps form O a chunk behind, qg's fragments loaded from L2 into registers a chunk
+// ahead and Aqk staged by themselves (the narrow walk 7-10% faster than the chain forming O).
+// w (and qg) are double-buffered and copied a chunk ahead; kd, Aqk and gl land during the
+// first products (the narrow chain's kd^T and gl a chunk ahead, in the shared memory the
+// output warps leave, measured 8-9% slower: a larger burst of copies at each chunk's start).
+// gl is read from shared memory after the hand-over (the decay applied just before S's update)
+// and u from L2 after the first products: held in registers across those products they took 16
+// and 32 a thread, and CuPy's build of the wide walk spilled 48 bytes. Staged rows keep
+// bfo_word's order, their 16-byte units swizzled by row parity, so a quarter-warp's loads (rows
+// n, n + 1) hit distinct banks.
+// SPLIT's named barriers: 1 the chain's, 2 the output's, FULL(b) = 3 + b once the fragments of
+// a chunk of parity b are in place, EMPTY(b) = 5 + b once they are read.
+template <int D, int VS, bool SPLIT>
 struct Walk {
-    static constexpr int WARPS = VS / 8;  // VS / 16 row groups x 2 halves of D
-    static constexpr int BLOCK = 32 * WARPS;  // threads
-    static constexpr int DK = D / 2;                  // dimensions a warp owns
+    static constexpr int CW = VS / 8;   // chain warps: VS / 16 row groups x 2 halves of D
+    static constexpr int NS = 32 * CW;  // chain threads; SPLIT adds as many output threads
+    static constexpr int BLOCK = SPLIT ? 2 * NS : NS;
+    static constexpr int DK = D / 2;                  // dimensions a chain warp owns
     static constexpr int NTD = DK / 8, NTC = CH / 8;  // its n-tiles of D; the n-tiles of C
-    static constexpr int XW = (NTC + NTC / 2) * 128;  // a warp's hand-over: W^T, half of O^T
-    static constexpr int W_OFF = 0, Q_OFF = 2 * CH * D, K_OFF = 4 * CH * D;  // w, qg: 2 buffers
-    static constexpr int A_OFF = K_OFF + D * CH, X_OFF = A_OFF + CH * CH;
-    static constexpr int GL_OFF = X_OFF + WARPS * XW, WORDS = GL_OFF + D;
+    static constexpr int XW = (SPLIT ? NTC : NTC + NTC / 2) * 128;  // hand-over: W^T (, half O^T)
+    static constexpr int FS = VS * D, FP = VS * CH;  // SPLIT: S^T's, v^T's A fragments (words)
+    static constexpr int W_OFF = 0, Q_OFF = 2 * CH * D;  // w, (qg): 2 buffers
+    static constexpr int K_OFF = (SPLIT ? 2 : 4) * CH * D, A_OFF = K_OFF + D * CH;  // kd^T, Aqk
+    static constexpr int F_OFF = A_OFF + (SPLIT ? 2 : 1) * CH * CH;  // SPLIT: Aqk x2, fragments x2
+    static constexpr int X_OFF = F_OFF + (SPLIT ? 2 * (FS + FP) : 0);
+    static constexpr int GL_OFF = X_OFF + CW * XW, WORDS = GL_OFF + D;
 };
 
 // Queue a block of ROWS rows of UNITS 16-byte units, each row's units swizzled by its parity.
+// tid: the thread's index among the NTHREADS that share the copy.
 template <int ROWS, int UNITS, int NTHREADS>
-__device__ __forceinline__ void stage_rows(unsigned* dst, const unsigned* src) {
+__device__ __forceinline__ void stage_rows(unsigned* dst, const unsigned* src, int tid) {
     static_assert(ROWS * UNITS % NTHREADS == 0 && UNITS >= 8, "whole rounds; the swizzle fits");
 #pragma unroll
     for (int it = 0; it < ROWS * UNITS / NTHREADS; ++it) {
-        const int i = threadIdx.x + it * NTHREADS, r = i / UNITS, q = i % UNITS;
+        const int i = tid + it * NTHREADS, r = i / UNITS, q = i % UNITS;
         cp_async16(dst + r * 4 * UNITS + 4 * (q ^ ((r & 1) << 2)), src + 4 * i);
     }
 }
@@ -486,14 +502,44 @@ __device__ __forceinline__ void mma3_acc(float c[4], const Frag& a, const Frag& 
     mma3(c, c, a, b);
 }
 
-template <int D, int VS>
-__device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
-                            const float* __restrict__ gl, const unsigned* __restrict__ w_in,
-                            const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
-                            float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
-                            int H) {
-    using L = Walk<D, VS>;
-    constexpr int DK = L::DK, NTD = L::NTD, NTC = L::NTC, HT = NTC / 2, NT = L::BLOCK;
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// An A fragment slot of the SPLIT hand-over: 128 words of hi (lane l's four at 4 l), then 128
+// of lo: a warp's 16-byte stores and loads each cover 512 contiguous bytes.
+__device__ __forceinline__ void put_frag(unsigned* slot, const Frag& f, int lane) {
+    *reinterpret_cast<uint4*>(slot + 4 * lane) = make_uint4(f.hi[0], f.hi[1], f.hi[2], f.hi[3]);
+    *reinterpret_cast<uint4*>(slot + 128 + 4 * lane) = make_uint4(f.lo[0], f.lo[1], f.lo[2], f.lo[3]);
+}
+__device__ __forceinline__ Frag get_frag(const unsigned* slot, int lane) {
+    const uint4 a = *reinterpret_cast<const uint4*>(slot + 4 * lane);
+    const uint4 b = *reinterpret_cast<const uint4*>(slot + 128 + 4 * lane);
+    return {{a.x, a.y, a.z, a.w}, {b.x, b.y, b.z, b.w}};
+}
+
+// O^T rows vr + g (+ 8) of t-tile tt, where t < T.
+template <int D>
+__device__ __forceinline__ void store_o(float* core, const float o[4], int c0, int tt, int vr,
+                                        int g, int t4, int T, int H) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = c0 + 8 * tt + 2 * t4 + (i & 1);
+        if (t < T) core[(u64)t * H * D + (u64)blockIdx.x * D + vr + g + 8 * (i >> 1)] = o[i];
+    }
+}
+
+template <int D, int VS, bool SPLIT>
+__device__ void walk_chain(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
+                           const float* __restrict__ gl, const unsigned* __restrict__ w_in,
+                           const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
+                           float* __restrict__ state, float* __restrict__ core, int T,
+                           int T_pad, int H) {
+    using L = Walk<D, VS, SPLIT>;
+    constexpr int DK = L::DK, NTD = L::NTD, NTC = L::NTC, HT = NTC / 2, NS = L::NS;
     extern __shared__ __align__(16) unsigned smw[];
     unsigned *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
     const float* Gl = reinterpret_cast<const float*>(smw + L::GL_OFF);
@@ -503,12 +549,15 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
     const int vr = blockIdx.y * VS + 16 * (warp >> 1);  // and its first state row (a v index)
     float4* give = reinterpret_cast<float4*>(smw + L::X_OFF + warp * L::XW);
     const float4* take = reinterpret_cast<const float4*>(smw + L::X_OFF + (warp ^ 1) * L::XW);
-    const u64 hd = (u64)H * D;
     const int nchunks = T_pad / CH;
-    auto issue_wq = [&](int ci) {  // w and qg of chunk ci into buffer ci % 2
+    const auto sync = [] {  // the chain's barrier
+        if constexpr (SPLIT) bar_sync(1, NS); else __syncthreads();
+    };
+    auto issue_wq = [&](int ci) {  // w (and qg) of chunk ci into buffer ci % 2
         const u64 o = ((u64)ci * H + h) * CH * D;
-        stage_rows<CH, D / 4, NT>(smw + L::W_OFF + (ci & 1) * CH * D, w_in + o);
-        stage_rows<CH, D / 4, NT>(smw + L::Q_OFF + (ci & 1) * CH * D, qg + o);
+        stage_rows<CH, D / 4, NS>(smw + L::W_OFF + (ci & 1) * CH * D, w_in + o, threadIdx.x);
+        if constexpr (!SPLIT)
+            stage_rows<CH, D / 4, NS>(smw + L::Q_OFF + (ci & 1) * CH * D, qg + o, threadIdx.x);
     };
 
     // S^T rows vr + g (+ 8), columns dk0 + 8 j + 2 t4 (+ 1)
@@ -524,11 +573,15 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
     cp_commit();
 
     for (int ci = 0; ci < nchunks; ++ci) {
-        const int c0 = ci * CH;
+        const int c0 = ci * CH, b = ci & 1;
+        // SPLIT: this chunk's slots for S^T's and v^T's fragments
+        unsigned* Fs = smw + L::F_OFF + b * (L::FS + L::FP) + (warp >> 1) * (D / 16) * 256;
+        unsigned* Fp = smw + L::F_OFF + b * (L::FS + L::FP) + L::FS + (warp >> 1) * (CH / 16) * 256;
         cp_wait<0>();
-        __syncthreads();  // w, qg (ci) landed; the last chunk's reads of kd, Aqk, hand-overs done
-        stage_rows<D, CH / 4, NT>(Kb, kd + ((u64)ci * H + h) * D * CH);
-        stage_rows<CH, CH / 4, NT>(Ab, aqk + ((u64)ci * H + h) * CH * CH);
+        sync();  // w, qg (ci) landed; the last chunk's reads of kd, Aqk, hand-overs done
+        stage_rows<D, CH / 4, NS>(Kb, kd + ((u64)ci * H + h) * D * CH, threadIdx.x);
+        if constexpr (!SPLIT)
+            stage_rows<CH, CH / 4, NS>(Ab, aqk + ((u64)ci * H + h) * CH * CH, threadIdx.x);
         if (threadIdx.x < D / 4)
             cp_async16(smw + L::GL_OFF + 4 * threadIdx.x,
                        gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
@@ -544,20 +597,24 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
                                 32 * (threadIdx.x % ULINES);
             asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
         }
+        if constexpr (SPLIT)
+            if (ci >= 2) bar_sync(5 + b, L::BLOCK);  // chunk ci - 2's fragments are read
 
-        // W^T and O^T over this half's dimensions. O's slot j is t-tile (j + HT half) % NTC:
+        // W^T (and O^T) over this half's dimensions. O's slot j is t-tile (j + HT half) % NTC:
         // slots below HT are the tiles this warp finishes, the rest its partner's.
         const unsigned* wb = smw + L::W_OFF + (ci & 1) * CH * D;
         const unsigned* qb = smw + L::Q_OFF + (ci & 1) * CH * D;
-        float P[NTC][4] = {}, O[NTC][4] = {};
+        float P[NTC][4] = {}, O[SPLIT ? 1 : NTC][4] = {};
 #pragma unroll
         for (int ks = 0; ks < DK / 16; ++ks) {
             const Frag a = frag_of(S[2 * ks], S[2 * ks + 1]);
             const int kb = half * (DK / 16) + ks;
+            if constexpr (SPLIT) put_frag(Fs + kb * 256, a, lane);
 #pragma unroll
             for (int j = 0; j < NTC; ++j) {
                 mma3_acc(P[j], a, frag_bo(wb, D, 8 * j + g, kb, t4));
-                mma3_acc(O[j], a, frag_bo(qb, D, 8 * ((j + HT * half) % NTC) + g, kb, t4));
+                if constexpr (!SPLIT)
+                    mma3_acc(O[j], a, frag_bo(qb, D, 8 * ((j + HT * half) % NTC) + g, kb, t4));
             }
         }
 #pragma unroll
@@ -569,11 +626,13 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
             }
             give[j * 32 + lane] = make_float4(P[j][0], P[j][1], P[j][2], P[j][3]);
         }
+        if constexpr (!SPLIT) {
 #pragma unroll
-        for (int j = HT; j < NTC; ++j)
-            give[(NTC + j - HT) * 32 + lane] = make_float4(O[j][0], O[j][1], O[j][2], O[j][3]);
+            for (int j = HT; j < NTC; ++j)
+                give[(NTC + j - HT) * 32 + lane] = make_float4(O[j][0], O[j][1], O[j][2], O[j][3]);
+        }
         cp_wait<1>();
-        __syncthreads();  // kd, Aqk, gl (ci) landed; both halves' hand-overs written
+        sync();  // kd, Aqk, gl (ci) landed; both halves' hand-overs written
 #pragma unroll
         for (int j = 0; j < NTD; ++j) {
             const float2 x = *reinterpret_cast<const float2*>(Gl + dk0 + 8 * j + 2 * t4);
@@ -588,30 +647,35 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
 #pragma unroll
             for (int i = 0; i < 4; ++i) P[j][i] = half ? y[i] - P[j][i] : P[j][i] - y[i];
         }
+        if constexpr (!SPLIT) {
 #pragma unroll
-        for (int j = 0; j < HT; ++j) {
-            const float4 x = take[(NTC + j) * 32 + lane];
-            O[j][0] += x.x, O[j][1] += x.y, O[j][2] += x.z, O[j][3] += x.w;
+            for (int j = 0; j < HT; ++j) {
+                const float4 x = take[(NTC + j) * 32 + lane];
+                O[j][0] += x.x, O[j][1] += x.y, O[j][2] += x.z, O[j][3] += x.w;
+            }
         }
 #pragma unroll
         for (int ks = 0; ks < CH / 16; ++ks) {
             const Frag a = frag_of(P[2 * ks], P[2 * ks + 1]);
+            if constexpr (SPLIT)
+                if ((ks & 1) == half) put_frag(Fp + ks * 256, a, lane);
 #pragma unroll
             for (int j = 0; j < NTD; ++j)
                 mma3_acc(S[j], a, frag_bo(Kb, CH, dk0 + 8 * j + g, ks, t4));
+            if constexpr (!SPLIT) {
 #pragma unroll
-            for (int j = 0; j < HT; ++j) {
-                const int tt = j + HT * half;  // Aqk[t][s] is zero for s > t
-                if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
+                for (int j = 0; j < HT; ++j) {
+                    const int tt = j + HT * half;  // Aqk[t][s] is zero for s > t
+                    if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
+                }
             }
         }
+        if constexpr (SPLIT) {
+            bar_arrive(3 + b, L::BLOCK);
+        } else {
 #pragma unroll
-        for (int j = 0; j < HT; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = c0 + 8 * (j + HT * half) + 2 * t4 + (i & 1);
-                if (t < T) core[(u64)t * hd + (u64)h * D + vr + g + 8 * (i >> 1)] = O[j][i];
-            }
+            for (int j = 0; j < HT; ++j) store_o<D>(core, O[j], c0, j + HT * half, vr, g, t4, T, H);
+        }
     }
     cp_wait<0>();
 #pragma unroll
@@ -619,6 +683,71 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         *reinterpret_cast<float2*>(st + 8 * j) = make_float2(S[j][0], S[j][1]);
         *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(S[j][2], S[j][3]);
     }
+}
+
+// SPLIT's output warps: warp (row group, half of the chunk's t-tiles), O^T = S^T qg^T + v^T
+// Aqk^T from the chain's fragments of a chunk.
+template <int D, int VS>
+__device__ void walk_output(const unsigned* __restrict__ qg, const unsigned* __restrict__ aqk,
+                            float* __restrict__ core, int T, int T_pad, int H) {
+    using L = Walk<D, VS, true>;
+    constexpr int NTC = L::NTC, HT = NTC / 2, NS = L::NS, KB = D / 16;
+    extern __shared__ __align__(16) unsigned smw[];
+    const int h = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int ow = (threadIdx.x - NS) >> 5, rg = ow >> 1, th = ow & 1, tid = threadIdx.x - NS;
+    const int vr = blockIdx.y * VS + 16 * rg;
+    const int nchunks = T_pad / CH;
+    uint4 qf[KB][HT];  // qg's B fragments, in its global fragment order (no swizzle)
+    auto load_qg = [&](int ci) {
+        const unsigned* base = qg + ((u64)ci * H + h) * CH * D;
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb)
+#pragma unroll
+            for (int j = 0; j < HT; ++j)
+                qf[kb][j] = __ldg(reinterpret_cast<const uint4*>(
+                    base + (8 * (j + HT * th) + g) * D + 16 * kb + 4 * t4));
+    };
+    auto stage_aqk = [&](int ci) {
+        stage_rows<CH, CH / 4, NS>(smw + L::A_OFF + (ci & 1) * CH * CH,
+                                   aqk + ((u64)ci * H + h) * CH * CH, tid);
+    };
+    load_qg(0);
+    stage_aqk(0);
+    cp_commit();
+    for (int ci = 0; ci < nchunks; ++ci) {
+        const int b = ci & 1;
+        const unsigned* Fs = smw + L::F_OFF + b * (L::FS + L::FP) + rg * KB * 256;
+        const unsigned* Fp = smw + L::F_OFF + b * (L::FS + L::FP) + L::FS + rg * (CH / 16) * 256;
+        bar_sync(3 + b, L::BLOCK);  // chunk ci's fragments are in place
+        float O[HT][4] = {};
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            const Frag a = get_frag(Fs + kb * 256, lane);
+#pragma unroll
+            for (int j = 0; j < HT; ++j)
+                mma3_acc(O[j], a, {{qf[kb][j].x, qf[kb][j].y, 0u, 0u},
+                                   {qf[kb][j].z, qf[kb][j].w, 0u, 0u}});
+        }
+        if (ci + 1 < nchunks) load_qg(ci + 1);
+        cp_wait<0>();
+        bar_sync(2, NS);  // Aqk (ci) landed; every output warp is past chunk ci - 1
+        const unsigned* Ab = smw + L::A_OFF + b * CH * CH;
+#pragma unroll
+        for (int ks = 0; ks < CH / 16; ++ks) {
+            const Frag a = get_frag(Fp + ks * 256, lane);
+#pragma unroll
+            for (int j = 0; j < HT; ++j) {
+                const int tt = j + HT * th;  // Aqk[t][s] is zero for s > t
+                if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
+            }
+        }
+        if (ci + 2 < nchunks) bar_arrive(5 + b, L::BLOCK);
+#pragma unroll
+        for (int j = 0; j < HT; ++j) store_o<D>(core, O[j], ci * CH, j + HT * th, vr, g, t4, T, H);
+        if (ci + 1 < nchunks) stage_aqk(ci + 1);
+        cp_commit();
+    }
+    cp_wait<0>();
 }
 
 // T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
@@ -630,17 +759,20 @@ __device__ void chunk_inter(const unsigned* __restrict__ qg, const unsigned* __r
         int T_pad, int H, float scale) {                                                       \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }
-#define KDA_CHUNK_INTER(D, VS)                                                                 \
-    extern "C" __global__ void __launch_bounds__((Walk<D, VS>::BLOCK), 1)                       \
+#define KDA_CHUNK_INTER(D, VS, SPLIT)                                                          \
+    extern "C" __global__ void __launch_bounds__((Walk<D, VS, SPLIT>::BLOCK), 1)                \
         kda_chunk_inter_d##D##_v##VS(                                                          \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
         int H) {                                                                               \
-        chunk_inter<D, VS>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                   \
+        if (!SPLIT || threadIdx.x < Walk<D, VS, SPLIT>::NS)                                    \
+            walk_chain<D, VS, SPLIT>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);         \
+        else                                                                                   \
+            walk_output<D, VS>(qg, aqk, core, T, T_pad, H);                                    \
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)
-KDA_CHUNK_INTER(64, 32)
-KDA_CHUNK_INTER(64, 64)
-KDA_CHUNK_INTER(128, 32)
-KDA_CHUNK_INTER(128, 64)
+KDA_CHUNK_INTER(64, 32, true)
+KDA_CHUNK_INTER(64, 64, false)
+KDA_CHUNK_INTER(128, 32, true)
+KDA_CHUNK_INTER(128, 64, false)

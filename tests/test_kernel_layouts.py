@@ -22,9 +22,10 @@ int main() {
     printf("CH %d\nTHREADS %d\nAP %d\nintra %d\n", CH, THREADS, AP, Intra::FLOATS * 4);
     printf("MAX_W %d\n", MAX_W);
     printf("walk_64_32 %d\nwalk_64_64 %d\nwalk_128_32 %d\nwalk_128_64 %d\n",
-           Walk<64, 32>::WORDS * 4, Walk<64, 64>::WORDS * 4, Walk<128, 32>::WORDS * 4,
-           Walk<128, 64>::WORDS * 4);
-    printf("walk_block_32 %d\nwalk_block_64 %d\n", Walk<128, 32>::BLOCK, Walk<128, 64>::BLOCK);
+           Walk<64, 32, true>::WORDS * 4, Walk<64, 64, false>::WORDS * 4,
+           Walk<128, 32, true>::WORDS * 4, Walk<128, 64, false>::WORDS * 4);
+    printf("walk_block_32 %d\nwalk_block_64 %d\n", Walk<128, 32, true>::BLOCK,
+           Walk<128, 64, false>::BLOCK);
     for (int p = 0; p < 64; ++p) printf("bfo_%d %d\n", p, bfo_word(p));
 }
 """
@@ -73,9 +74,10 @@ def test_walk_order_matches(chunk_layouts):
 
 def test_walk_variants_are_the_compiled_ones():
     src = (kernels_dir() / "chunk.cu").read_text()
-    built = {(int(d), int(vs)) for d, vs in re.findall(r"^KDA_CHUNK_INTER\((\d+), (\d+)\)", src,
-                                                       re.M)}
-    assert built == {(d, vs) for d in (64, 128) for vs in kernels.WALK_SLICES}
+    built = {(int(d), int(vs), split == "true") for d, vs, split in
+             re.findall(r"^KDA_CHUNK_INTER\((\d+), (\d+), (true|false)\)", src, re.M)}
+    narrow = kernels.WALK_SLICES[0]  # the slice whose blocks add output warps
+    assert built == {(d, vs, vs == narrow) for d in (64, 128) for vs in kernels.WALK_SLICES}
 
 
 def test_decode_split_matches():
@@ -108,3 +110,19 @@ def test_gemv_constants_match():
     bounds = re.findall(r"__launch_bounds__\(WARPS \* 32, (\d+)\)", src)
     assert bounds and {int(b) for b in bounds} == {kernels.GEMV_BLOCKS_PER_SM}
     assert define("MAX_ROWS") == MAX_DECODE_ROWS
+
+
+def test_chunk_entries_are_the_launched_ones(tmp_path):
+    """chunk.cu instantiates every kernel the wrappers launch (both head dims; the intra kernel
+    and each walk slice), and nothing else."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not on PATH")
+    ptx = tmp_path / "chunk.ptx"
+    subprocess.run([nvcc, "-arch=compute_90", "-std=c++17", "-I", str(kernels_dir()), "-ptx",
+                    "-o", str(ptx), str(kernels_dir() / "chunk.cu")], check=True,
+                   capture_output=True)
+    entries = set(re.findall(r"\.entry (\w+)\(", ptx.read_text()))
+    assert entries == ({f"kda_chunk_intra_d{d}" for d in (64, 128)}
+                       | {f"kda_chunk_inter_d{d}_v{vs}" for d in (64, 128)
+                          for vs in kernels.WALK_SLICES})
