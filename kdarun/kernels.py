@@ -32,6 +32,7 @@ DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
+WALK_SPLIT_SLICE = WALK_SLICES[0]  # the slice whose blocks add output warps (SPLIT in chunk.cu)
 i32, f32 = np.int32, np.float32
 
 
@@ -46,26 +47,32 @@ def intra_smem_bytes() -> int:
     return 4 * (3 * CHUNK * 66 + 2 * (CHUNK + 32) * 36 + 2 * CHUNK * CHUNK_AP + CHUNK)
 
 
+def _walk_chain_warps(vs: int) -> int:
+    """A walk block's chain warps: one for each 16 state rows and each half of D."""
+    return vs // 16 * 2
+
+
 def walk_threads(vs: int) -> int:
-    """kda_chunk_inter_d*_v{vs}'s block: a chain warp for each 16 state rows and each half of D
-    (`Walk::BLOCK` in chunk.cu); the narrow slice adds as many output warps (`WalkSplit`)."""
-    chain = 32 * (vs // 16) * 2
-    return 2 * chain if vs == WALK_SLICES[0] else chain
+    """kda_chunk_inter_d*_v{vs}'s block (`Walk<D, VS, SPLIT>::BLOCK` in chunk.cu): the chain
+    warps, and with the split slice as many output warps."""
+    return 32 * _walk_chain_warps(vs) * (2 if vs == WALK_SPLIT_SLICE else 1)
 
 
 def walk_smem_bytes(d: int, vs: int) -> int:
-    """Shared memory of kda_chunk_inter_d{d}_v{vs}, in 4-byte words. The wide slice (`Walk` in
-    chunk.cu): w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each warp's hand-over to its
-    partner, C fragments of W^T [16, C] and half of O^T [16, C/2]; gl [D]. The narrow slice
-    (`WalkSplit`): w twice, kd^T, Aqk twice; twice the A fragments the output warps take, S^T
-    [vs, d] and v^T [vs, C] as hi and lo words; the chain warps' hand-overs of W^T; gl."""
-    chain_warps = vs // 16 * 2
-    if vs == WALK_SLICES[0]:
+    """Shared memory of kda_chunk_inter_d{d}_v{vs} (`Walk<D, VS, SPLIT>` in chunk.cu), in
+    4-byte words. The wide slice: w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each chain
+    warp's hand-over to its partner, C fragments of W^T [16, C] and half of O^T [16, C/2]; gl
+    [D]. The split slice: w twice, kd^T, Aqk twice; twice the A fragments the output warps
+    take, S^T [vs, D] and v^T [vs, C] as hi and lo words; the hand-overs of W^T alone; gl."""
+    if vs == WALK_SPLIT_SLICE:
+        operands = 2 * CHUNK * d + d * CHUNK + 2 * CHUNK * CHUNK
         fragments = 2 * (vs * d + vs * CHUNK)
-        words = 2 * CHUNK * d + d * CHUNK + 2 * CHUNK * CHUNK + fragments
-        return 4 * (words + chain_warps * 16 * CHUNK + d)
-    handover = 16 * (CHUNK + CHUNK // 2)
-    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + chain_warps * handover + d)
+        handover = 16 * CHUNK
+    else:
+        operands = 4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK
+        fragments = 0
+        handover = 16 * (CHUNK + CHUNK // 2)
+    return 4 * (operands + fragments + _walk_chain_warps(vs) * handover + d)
 
 
 def gemv_smem_bytes() -> int:

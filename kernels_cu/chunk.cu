@@ -483,11 +483,15 @@ __device__ __forceinline__ void stage_rows(unsigned* dst, const unsigned* src, i
     }
 }
 
+// A lane's B fragment from its four words in bfo_word's order: (hi, hi, lo, lo).
+__device__ __forceinline__ Frag frag_b(const uint4 x) {
+    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
+}
+
 // The B fragment of row n (B's column) and k-block kb of a staged operand, ld words a row.
 __device__ __forceinline__ Frag frag_bo(const unsigned* buf, int ld, int n, int kb, int t4) {
-    const uint4 x =
-        *reinterpret_cast<const uint4*>(buf + n * ld + 4 * ((4 * kb + t4) ^ ((n & 1) << 2)));
-    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
+    return frag_b(
+        *reinterpret_cast<const uint4*>(buf + n * ld + 4 * ((4 * kb + t4) ^ ((n & 1) << 2))));
 }
 
 // The A fragment of k-columns 16 i.. from the C fragments of columns 16 i.. (x), 16 i + 8.. (y).
@@ -725,8 +729,7 @@ __device__ void walk_output(const unsigned* __restrict__ qg, const unsigned* __r
             const Frag a = get_frag(Fs + kb * 256, lane);
 #pragma unroll
             for (int j = 0; j < HT; ++j)
-                mma3_acc(O[j], a, {{qf[kb][j].x, qf[kb][j].y, 0u, 0u},
-                                   {qf[kb][j].z, qf[kb][j].w, 0u, 0u}});
+                mma3_acc(O[j], a, frag_b(qf[kb][j]));
         }
         if (ci + 1 < nchunks) load_qg(ci + 1);
         cp_wait<0>();

@@ -76,8 +76,8 @@ def test_walk_variants_are_the_compiled_ones():
     src = (kernels_dir() / "chunk.cu").read_text()
     built = {(int(d), int(vs), split == "true") for d, vs, split in
              re.findall(r"^KDA_CHUNK_INTER\((\d+), (\d+), (true|false)\)", src, re.M)}
-    narrow = kernels.WALK_SLICES[0]  # the slice whose blocks add output warps
-    assert built == {(d, vs, vs == narrow) for d in (64, 128) for vs in kernels.WALK_SLICES}
+    assert built == {(d, vs, vs == kernels.WALK_SPLIT_SLICE) for d in (64, 128)
+                     for vs in kernels.WALK_SLICES}
 
 
 def test_decode_split_matches():
