@@ -143,6 +143,11 @@ class GpuBackend(abc.ABC):
         """Streaming multiprocessors: how many blocks of a one-block-per-SM kernel run at once."""
         return 1
 
+    @property
+    def has_wgmma(self) -> bool:
+        """Whether the chunked walk's warpgroup MMAs run here (the host twin needs none)."""
+        return True
+
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
         """Allocate and copy a host array; returns its device address."""
         array = np.ascontiguousarray(array)

@@ -28,6 +28,7 @@ class CupyBackend(GpuBackend):
         props = cp.cuda.runtime.getDeviceProperties(device)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         self._sm_count = int(props["multiProcessorCount"])
+        self._cc = 10 * int(props["major"]) + int(props["minor"])
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
         self._functions: dict[tuple[str, str], Any] = {}
@@ -42,6 +43,10 @@ class CupyBackend(GpuBackend):
     @property
     def sm_count(self) -> int:
         return self._sm_count
+
+    @property
+    def has_wgmma(self) -> bool:
+        return self._cc == 90
 
     def stream_obj(self, stream: int):
         """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""
@@ -119,12 +124,15 @@ class CupyBackend(GpuBackend):
     # -- kernels ---------------------------------------------------------------------------
     def load_module(self, family: str, defines: Sequence[str] = ()) -> Any:
         """`defines` ("-DNAME") build a variant, such as chunk.cu's phase marks for
-        tools/intra_phases.py; it is a module of its own, its functions cached apart."""
+        tools/intra_phases.py; it is a module of its own, its functions cached apart. On
+        compute capability 9.0 the build targets sm_90a, whose warpgroup MMAs the chunk
+        walk runs on (NVRTC keeps this first -arch over the sm_90 CuPy appends)."""
         src = kernels_dir() / f"{family}.cu"
         if not src.exists():
             raise KdaError(f"kernel family {family!r}: {src} not found")
+        arch = ("-arch=sm_90a",) if self.has_wgmma else ()
         raw = cp.RawModule(code=src.read_text(),
-                           options=("-std=c++17", f"-I{kernels_dir()}", *defines))
+                           options=(*arch, "-std=c++17", f"-I{kernels_dir()}", *defines))
         raw.compile()
         return _Module(" ".join((family, *defines)), raw)
 

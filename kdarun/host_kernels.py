@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import CHUNK
-from .kernels import WALK_SLICES
+from .kernels import WALK_ROWS
 
 BF = ml_dtypes.bfloat16
 F32 = np.float32
@@ -164,8 +164,8 @@ def _kda_decode_rows(D):
 def split_words(x: np.ndarray) -> np.ndarray:
     """fp32 [..., 2n] -> uint32 [..., 2n]: each pair (x0, x1) along the last axis becomes the
     words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders x - hi, in that
-    order. The chunk walk's tensor-core products read their operands in this form, permuted
-    along the row by `to_walk_order`."""
+    order. The chunk walk's tensor-core products read their operands in this form, laid out
+    by `to_walk_image`."""
     x = np.asarray(x, F32)
     hi = x.astype(BF)
     lo = (x - hi.astype(F32)).astype(BF)
@@ -191,26 +191,23 @@ def join_words(w: np.ndarray) -> np.ndarray:
     return out
 
 
-def _bfo_order(n: int) -> np.ndarray:
-    """The walk's fragment order (`bfo_word` in chunk.cu) for a row of n split words:
-    row[order] lists `split_words`' [hi p0, lo p0, hi p1, ...] as the walk reads them. Each 16
-    words hold 8 k-pairs, lane t's four at 4t: the hi of pairs t and t+4, then their lo."""
-    p = np.arange(n // 2)
-    hi = 16 * (p >> 3) + 4 * (p & 3) + ((p >> 2) & 1)
-    order = np.empty(n, np.int64)
-    order[hi], order[hi + 2] = 2 * p, 2 * p + 1
-    return order
+def to_walk_image(words: np.ndarray) -> np.ndarray:
+    """`split_words` blocks [..., N, K] (pairs along K) as the chunk walk's shared-memory image
+    [..., N K] (`img_word` in chunk.cu): the hi words, then the lo words, each plane in 8-row
+    core matrices of 4 k-pairs, adjacent along N, the next 4 k-pairs 4 N words on."""
+    *lead, n, k = words.shape
+    planes = [words[..., i::2].reshape(*lead, n, k // 8, 4).swapaxes(-3, -2) for i in (0, 1)]
+    return np.concatenate([p.reshape(*lead, n * k // 2) for p in planes], axis=-1)
 
 
-def to_walk_order(words: np.ndarray) -> np.ndarray:
-    """`split_words` rows (pairs along the last axis) in the walk's fragment order."""
-    return words[..., _bfo_order(words.shape[-1])]
-
-
-def from_walk_order(rows: np.ndarray) -> np.ndarray:
-    """The inverse of `to_walk_order`."""
-    out = np.empty_like(rows)
-    out[..., _bfo_order(rows.shape[-1])] = rows
+def from_walk_image(image: np.ndarray, n: int) -> np.ndarray:
+    """The inverse of `to_walk_image` for blocks of n rows."""
+    *lead, size = image.shape
+    k = size // n
+    planes = [p.reshape(*lead, k // 8, n, 4).swapaxes(-3, -2).reshape(*lead, n, k // 2)
+              for p in (image[..., :size // 2], image[..., size // 2:])]
+    out = np.empty((*lead, n, k), image.dtype)
+    out[..., 0::2], out[..., 1::2] = planes
     return out
 
 
@@ -236,9 +233,9 @@ def _kda_chunk_intra(D):
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
             g_last = G[:, -1:, :]
             gpu.view(gl, (nc, H, D), F32)[ci] = np.exp(g_last[:, 0])
-            blocks(qg, (CHUNK, D))[ci] = to_walk_order(split_words(qc * np.exp(G)))
+            blocks(qg, (CHUNK * D,))[ci] = to_walk_image(split_words(qc * np.exp(G)))
             kdc = kc * np.exp(g_last - G)  # [H, C, D]
-            blocks(kd, (D, CHUNK))[ci] = to_walk_order(split_words(kdc.transpose(0, 2, 1)))
+            blocks(kd, (D * CHUNK,))[ci] = to_walk_image(split_words(kdc.transpose(0, 2, 1)))
             diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
             decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
             A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
@@ -249,9 +246,10 @@ def _kda_chunk_intra(D):
             for i in range(CHUNK):  # forward substitution through I + diag(b) A
                 X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
                                                                  X[:, :i])
-            blocks(u, (CHUNK, D), F32)[ci] = X[:, :, :D]
-            blocks(w, (CHUNK, D))[ci] = to_walk_order(split_words(X[:, :, D:]))
-            blocks(aqk, (CHUNK, CHUNK))[ci] = to_walk_order(split_words(M))
+            blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci] = (  # the walk's slices
+                X[:, :, :D].reshape(H, CHUNK, D // WALK_ROWS, WALK_ROWS).transpose(0, 2, 1, 3))
+            blocks(w, (CHUNK * D,))[ci] = to_walk_image(split_words(X[:, :, D:]))
+            blocks(aqk, (CHUNK * CHUNK,))[ci] = to_walk_image(split_words(M))
     return run
 
 
@@ -264,10 +262,12 @@ def _kda_chunk_inter(D):
         blocks = lambda p, shape, dt=np.uint32: gpu.view(p, (nc, H, *shape), dt)  # noqa: E731
         for ci in range(nc):
             rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
-            Qg, Wk = (join_words(from_walk_order(blocks(p, (CHUNK, D))[ci])) for p in (qg, w))
-            Kd = join_words(from_walk_order(blocks(kd, (D, CHUNK))[ci])).transpose(0, 2, 1)
-            U = blocks(u, (CHUNK, D), F32)[ci]  # [H, C, Dv]
-            M = join_words(from_walk_order(blocks(aqk, (CHUNK, CHUNK))[ci]))
+            Qg, Wk = (join_words(from_walk_image(blocks(p, (CHUNK * D,))[ci], CHUNK))
+                      for p in (qg, w))
+            Kd = join_words(from_walk_image(blocks(kd, (D * CHUNK,))[ci], D)).transpose(0, 2, 1)
+            U = blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci].transpose(0, 2, 1, 3)
+            U = U.reshape(H, CHUNK, D)  # [H, C, Dv]
+            M = join_words(from_walk_image(blocks(aqk, (CHUNK * CHUNK,))[ci], CHUNK))
             Wm = U - Wk @ St  # [H, C, Dv]
             o = Qg @ St + M @ Wm
             valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t
@@ -294,7 +294,6 @@ HOST_KERNELS: dict[str, dict] = {
              "conv_roll_state": conv_roll_state},
     "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
-              **{f"kda_chunk_inter_d{d}_v{vs}": _kda_chunk_inter(d) for d in (64, 128)
-                 for vs in WALK_SLICES}},
+              **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
 }

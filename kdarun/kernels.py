@@ -31,8 +31,8 @@ CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
-WALK_SLICES = (32, 64)  # state columns one kda_chunk_inter block can carry (its VS variants)
-WALK_SPLIT_SLICE = WALK_SLICES[0]  # the slice whose blocks add output warps (SPLIT in chunk.cu)
+WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries (Walk::VS in chunk.cu)
+WALK_THREADS = 128  # kda_chunk_inter's block: one warpgroup (Walk::BLOCK in chunk.cu)
 i32, f32 = np.int32, np.float32
 
 
@@ -47,32 +47,11 @@ def intra_smem_bytes() -> int:
     return 4 * (3 * CHUNK * 66 + 2 * (CHUNK + 32) * 36 + 2 * CHUNK * CHUNK_AP + CHUNK)
 
 
-def _walk_chain_warps(vs: int) -> int:
-    """A walk block's chain warps: one for each 16 state rows and each half of D."""
-    return vs // 16 * 2
-
-
-def walk_threads(vs: int) -> int:
-    """kda_chunk_inter_d*_v{vs}'s block (`Walk<D, VS, SPLIT>::BLOCK` in chunk.cu): the chain
-    warps, and with the split slice as many output warps."""
-    return 32 * _walk_chain_warps(vs) * (2 if vs == WALK_SPLIT_SLICE else 1)
-
-
-def walk_smem_bytes(d: int, vs: int) -> int:
-    """Shared memory of kda_chunk_inter_d{d}_v{vs} (`Walk<D, VS, SPLIT>` in chunk.cu), in
-    4-byte words. The wide slice: w, qg [C, D] twice each; kd^T [D, C]; Aqk [C, C]; each chain
-    warp's hand-over to its partner, C fragments of W^T [16, C] and half of O^T [16, C/2]; gl
-    [D]. The split slice: w twice, kd^T, Aqk twice; twice the A fragments the output warps
-    take, S^T [vs, D] and v^T [vs, C] as hi and lo words; the hand-overs of W^T alone; gl."""
-    if vs == WALK_SPLIT_SLICE:
-        operands = 2 * CHUNK * d + d * CHUNK + 2 * CHUNK * CHUNK
-        fragments = 2 * (vs * d + vs * CHUNK)
-        handover = 16 * CHUNK
-    else:
-        operands = 4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK
-        fragments = 0
-        handover = 16 * (CHUNK + CHUNK // 2)
-    return 4 * (operands + fragments + _walk_chain_warps(vs) * handover + d)
+def walk_smem_bytes(d: int) -> int:
+    """Shared memory of kda_chunk_inter_d{d} (`Walk<D>` in chunk.cu), in bytes: w and qg
+    [C, d] as split words, two buffers each; kd^T [d, C] and Aqk [C, C] as split words; u's
+    slice [C, WALK_ROWS] fp32 and gl [d] fp32, two buffers each; three 8-byte mbarriers."""
+    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + 2 * CHUNK * WALK_ROWS + 2 * d) + 24
 
 
 def gemv_smem_bytes() -> int:
@@ -265,29 +244,22 @@ class Glm5NextKdaKernels:
                       ptr("chunk_aqk"), i32(t), i32(t_pad), i32(H), f32(c.scale)), stream)
 
     def kda_chunk_inter(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr,
-                        t: int, vs: int | None = None) -> None:
+                        t: int) -> None:
         """The sequential walk over the chunks from the intra factors, carrying state
-        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t; vs state
-        columns a block (one of WALK_SLICES; `walk_slice()` when None)."""
-        vs = self.walk_slice() if vs is None else vs
-        if vs not in WALK_SLICES:
-            raise KdaError(f"kda_chunk_inter: vs must be one of {WALK_SLICES}, got {vs!r}")
+        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t; a block
+        carries WALK_ROWS rows of a head's state on warpgroup MMAs (sm_90)."""
+        if not self.gpu.has_wgmma:
+            raise KdaError(f"kda_chunk_inter: the chunked walk runs on warpgroup MMAs, which "
+                           f"{self.gpu.device_name} lacks (needs compute capability 9.0)")
         c = self.cfg
         D, t_pad = c.head_dim, c.t_pad(t)
         H, ptr = c.num_heads, ws.ptr
-        self._launch("chunk", f"kda_chunk_inter_d{D}_v{vs}",
-                     LaunchConfig((H, D // vs, 1), (walk_threads(vs), 1, 1),
-                                  walk_smem_bytes(D, vs)),
+        self._launch("chunk", f"kda_chunk_inter_d{D}",
+                     LaunchConfig((H, D // WALK_ROWS, 1), (WALK_THREADS, 1, 1),
+                                  walk_smem_bytes(D)),
                      (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
                       ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
                       i32(H)), stream)
-
-    def walk_slice(self) -> int:
-        """State columns per walk block: the narrow slice while one wave of blocks fits the
-        SMs (the walk is one block per SM), else the wide one so it still does."""
-        c = self.cfg
-        narrow, wide = WALK_SLICES
-        return narrow if c.num_heads * c.head_dim // narrow <= self.gpu.sm_count else wide
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,

@@ -77,22 +77,22 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "[T, gate_in_width] f_a|g_a|b",
                "the projection's outputs after q|k|v (which go to qkv_proj)"),
     # the chunked core's operands, a block for each (chunk, head), in the orders the walk reads:
-    # split words (host_kernels.split_words) in its fragment order (to_walk_order)
+    # split words (host_kernels.split_words) as its shared-memory image (to_walk_image)
     BufferSpec("chunk_qg", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
-               "[T_pad/C, H, C, D] split words, pairs along D, walk order",
+               "[T_pad/C, H, C, D] split words, pairs along D, walk image",
                "q * scale * exp(G), G the in-chunk cumulative log-decay"),
     BufferSpec("chunk_kd", _chunk_blocks(lambda c: (c.head_dim, CHUNK)), U32, False,
-               "[T_pad/C, H, D, C] split words, pairs along C, walk order",
+               "[T_pad/C, H, D, C] split words, pairs along C, walk image",
                "(k * exp(G_last - G))^T"),
     BufferSpec("chunk_gl", _chunk_blocks(lambda c: (c.head_dim,)), F32, False,
                "[T_pad/C, H, D]", "exp(G_last) per chunk"),
     BufferSpec("chunk_w", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
-               "[T_pad/C, H, C, D] split words, pairs along D, walk order",
+               "[T_pad/C, H, C, D] split words, pairs along D, walk image",
                "WY: (I + bA)^-1 b (K * Gamma)"),
     BufferSpec("chunk_u", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), F32, False,
-               "[T_pad/C, H, C, D]", "WY: (I + bA)^-1 b V"),
+               "[T_pad/C, H, D/64, C, 64]: the walk's column slices", "WY: (I + bA)^-1 b V"),
     BufferSpec("chunk_aqk", _chunk_blocks(lambda c: (CHUNK, CHUNK)), U32, False,
-               "[T_pad/C, H, C, C] split words, pairs along the last axis, walk order",
+               "[T_pad/C, H, C, C] split words, pairs along the last axis, walk image",
                "in-chunk decayed q.k products, causal"),
     BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
                "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "

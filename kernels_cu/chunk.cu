@@ -15,7 +15,7 @@
 // padded tail can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
-#include "common.cuh"
+#include "sm90.cuh"
 
 // tools/intra_phases.py builds this file with -DKDA_INTRA_PHASES: thread 0 of each intra block
 // then adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i), one
@@ -95,13 +95,25 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
     mma_bf16(small, a.hi, b.lo);
 }
 
-// The operands the walk takes as B (w, qg, kd^T, Aqk) are written in its fragment order: rows
-// n, the k axis along a row in blocks of 16 words (8 k-pairs), lane t's four words at 4t:
-// (hi of pair t, hi of pair t + 4, lo of pair t, lo of pair t + 4). One 16-byte load then hands
-// a lane its fragment in the register pairs the MMA takes; rows of (hi, lo) pairs cost
-// register moves, which Nsight Compute counted as 40% of an earlier walk's instructions.
-__host__ __device__ __forceinline__ int bfo_word(int p) {  // the hi word of k-pair p in its row; lo at +2
-    return 16 * (p >> 3) + 4 * (p & 3) + ((p >> 2) & 1);
+// The operands the walk takes as B (w, qg, kd^T, Aqk) are written as the image of the shared
+// memory its warpgroup MMAs read, so that one bulk copy stages a (chunk, head) block: N rows
+// of the product's n axis by K of its k axis in split words, a hi plane then a lo plane of
+// N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
+// K-major layout without swizzle: core matrices of 8 rows x 16 bytes (4 k-pairs), adjacent
+// along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_VS
+// columns, [C, WALK_VS] each, for the same reason.
+#define WALK_VS 64  // state rows (v) a walk block carries: a warpgroup MMA's m
+__host__ __device__ constexpr int img_word(int N, int n, int p) {
+    return 4 * N * (p >> 2) + 4 * n + (p & 3);
+}
+// Where the intra kernel parks k exp(G)[t][d] in a w block until the solve overwrites it: the
+// words w's rows of t's 16-row solve block take in the image (64-word runs, 4 SB words a row
+// in each k-octet of a plane), row t's dimensions 64 to a run, so that the parking and the
+// solve's reads of it are whole 256-byte runs.
+template <int D>
+__device__ __forceinline__ int park_word(int t, int d) {
+    const int r = (D / 64) * (t % 16) + d / 64;  // the run: a plane's D / 8 k-octets each
+    return (r / (D / 8)) * (CH * D / 2) + (r % (D / 8)) * 4 * CH + 64 * (t / 16) + d % 64;
 }
 
 // ---- intra: every (chunk, head) in parallel -----------------------------------------------------
@@ -187,35 +199,33 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             PHASE(0);
         }
         // what the walk and the solve need elementwise: gl, qg and kd^T (as split words in the
-        // walk's fragment order), and k exp(G), the solve's right-hand side, parked in w_out
-        // until the solve overwrites it. These loops (and the scaled rows' below) give each warp
-        // whole rows and each lane the same two dimensions c2, c2+1 of every row (DH / 2 == 32
-        // pairs): no index is divided or taken modulo inside them.
+        // walk's image), and k exp(G), the solve's right-hand side, parked in w_out (park_word).
+        // The qg and kd^T loops give a warp 8 rows x 4 pairs at a time, one core matrix of the
+        // image: each of its stores is 128 contiguous bytes of a plane.
         static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
-        static_assert(CH == 64, "kd^T: a lane's t-pair of a 64-token row");
-        const int c2 = 2 * lane;
+        const int c2 = 2 * lane;  // the scaled rows' two dimensions
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
-        for (int r = warp; r < CH; r += THREADS / 32) {
-            const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + c2);
-            const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + c2);
-            const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + c2);
+        for (int it = warp; it < (CH / 8) * (DH / 8); it += THREADS / 32) {
+            const int r = 8 * (it / (DH / 8)) + (lane >> 2), pl = 4 * (it % (DH / 8)) + (lane & 3);
+            const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + 2 * pl);
+            const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + 2 * pl);
+            const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + 2 * pl);
             const float e0 = __expf(G.x), e1 = __expf(G.y);
             const uint2 x = split_pair(qq.x * e0, qq.y * e1);
-            unsigned* qrow = qg_out + blk + r * D + bfo_word(d0 / 2 + lane);
-            qrow[0] = x.x, qrow[2] = x.y;
-            *reinterpret_cast<float2*>(w_out + blk + r * D + d0 + c2) =
+            unsigned* qw = qg_out + blk + img_word(CH, r, d0 / 2 + pl);
+            qw[0] = x.x, qw[CH * D / 2] = x.y;
+            *reinterpret_cast<float2*>(w_out + blk + park_word<D>(r, d0 + 2 * pl)) =
                 make_float2(kk.x * e0, kk.y * e1);
         }
-        // kd^T, a [D][C] block a (chunk, head): a warp writes whole rows d, a lane one t-pair
-        {
-            unsigned* kd_row = kd_out + blk + d0 * CH + bfo_word(lane);
-            for (int d = warp; d < DH; d += THREADS / 32) {
-                const float GL = Gs[(CH - 1) * P + d];
-                const float k0 = Ks[c2 * P + d] * __expf(GL - Gs[c2 * P + d]);
-                const float k1 = Ks[(c2 + 1) * P + d] * __expf(GL - Gs[(c2 + 1) * P + d]);
-                const uint2 x = split_pair(k0, k1);
-                kd_row[d * CH] = x.x, kd_row[d * CH + 2] = x.y;
-            }
+        // kd^T, a [D][C] block a (chunk, head): rows d, pairs of tokens
+        for (int it = warp; it < (DH / 8) * (CH / 8); it += THREADS / 32) {
+            const int d = 8 * (it / (CH / 8)) + (lane >> 2), tp = 4 * (it % (CH / 8)) + (lane & 3);
+            const float GL = Gs[(CH - 1) * P + d];
+            const float k0 = Ks[2 * tp * P + d] * __expf(GL - Gs[2 * tp * P + d]);
+            const float k1 = Ks[(2 * tp + 1) * P + d] * __expf(GL - Gs[(2 * tp + 1) * P + d]);
+            const uint2 x = split_pair(k0, k1);
+            unsigned* kw = kd_out + blk + img_word(D, d0 + d, tp);
+            kw[0] = x.x, kw[D * CH / 2] = x.y;
         }
 
         // A block row of 16 at a time: rows r.. of A and Aqk against every row up to r + 15,
@@ -306,12 +316,12 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         __syncthreads();  // before the next dimensions overwrite G, k, q
         PHASE(3);
     }
-    {  // Aqk as split words, rows t with s-pairs in the walk's fragment order
+    {  // Aqk as split words, rows t with s-pairs in the walk's planes
         unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
-        for (int i = tid; i < CH * CH / 2; i += THREADS) {
-            const int t = i / (CH / 2), p = i % (CH / 2);
+        for (int i = tid; i < CH * CH / 2; i += THREADS) {  // a warp: 8 rows x 4 pairs
+            const int q = i & 31, t = 8 * ((i >> 5) / 8) + (q >> 2), p = 4 * ((i >> 5) % 8) + (q & 3);
             const uint2 x = split_pair(Ms[t * AP + 2 * p], Ms[t * AP + 2 * p + 1]);
-            Mg[t * CH + bfo_word(p)] = x.x, Mg[t * CH + bfo_word(p) + 2] = x.y;
+            Mg[img_word(CH, t, p)] = x.x, Mg[img_word(CH, t, p) + CH * CH / 2] = x.y;
         }
     }
 
@@ -320,9 +330,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // with C = A[block i, rows before it] X[rows before it] formed on tensor cores, so a
     // thread runs 120 dependent FMAs instead of 2 k and every warp keeps its column. X goes to
     // shared memory as hi and lo planes (the product's B operand) as each block is solved; u is
-    // written as fp32, w as split words in the walk's fragment order (lanes 2i and 2i+1 meet
-    // in a shuffle) over the right-hand side k exp(G) parked there: a warp's 32 columns are
-    // permuted among themselves only, so it reads a block's rows before it writes them.
+    // written as fp32, w as split words in the walk's image (lanes 2i and 2i+1 meet in a
+    // shuffle, the even one writes the hi word) over the right-hand side k exp(G) parked in
+    // the words of the same 16-row block (park_word), read before any of them is written.
     constexpr int LX = plane_ld(CH / 2);  // X's and A's plane rows: words of token pairs
     constexpr int XK = CH - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
@@ -354,7 +364,10 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     __syncthreads();  // A is read: C goes there
     PHASE(5);
     const int col = tid, dc = col < D ? col : col - D;
-    float* dst = col < D ? u_out + blk + dc : w_out + blk + bfo_word(dc / 2) + 2 * (dc & 1);
+    // u in slices [C, WALK_VS]; w's hi or lo word of pair dc / 2, rows 4 words apart
+    float* dst = col < D ? u_out + blk + (dc / WALK_VS) * CH * WALK_VS + dc % WALK_VS
+                         : w_out + blk + img_word(CH, 0, dc / 2) + (dc & 1) * (CH * D / 2);
+    const int ld = col < D ? WALK_VS : 4;
     for (int bi = 0; bi < CH / SB; ++bi) {
         const int r0 = bi * SB;
         // this block's right-hand sides, all in flight before the product below: loaded one
@@ -366,8 +379,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 rhs[r] = pick(c0 + r0 + r < T, __ldg(v + row0 + (r0 + r) * rstride + dc));
         } else if (col < 2 * D) {
 #pragma unroll
-            for (int r = 0; r < SB; ++r) rhs[r] = w_out[blk + (r0 + r) * D + dc];
+            for (int r = 0; r < SB; ++r) rhs[r] = w_out[blk + park_word<D>(r0 + r, dc)];
         }
+        if (bi == 0) __syncthreads();  // every thread has read block 0's parked rows
         if (bi > 0) {
             // C [SB, 2D] = A[r0.., :r0] X[:r0, :]: a warp takes 2D / 8 / 8 column tiles
             constexpr int NT = 2 * D / 8 / (THREADS / 32);
@@ -404,11 +418,11 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             for (int r = 0; r < SB; ++r) {
                 const int t = r0 + r;
                 if (col < D) {
-                    dst[t * D] = x[r];
+                    dst[t * ld] = x[r];
                 } else {
                     const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
                     const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
-                    reinterpret_cast<unsigned*>(dst)[t * D] = dc & 1 ? w2.y : w2.x;
+                    reinterpret_cast<unsigned*>(dst)[t * ld] = dc & 1 ? w2.y : w2.x;
                 }
             }
             if (r0 + SB < CH) {
@@ -429,328 +443,170 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     }
 }
 
-// ---- walk: the chunks in order, one (head, VS-column slice of V) a block ---------------------
-// The state slice rides transposed, S^T [VS, D] (the state's own [Dv, Dk] layout), in the
-// registers of the chain warps: warp (r, half) holds rows 16 r.. and the D/2 dimensions of its
-// half as C fragments. A C fragment is also an A fragment, so every product takes its A from
-// registers:
-//   W^T = S^T w^T, v^T = u^T - W^T (the chunk's new values, v = u - w S),
-//   O^T = S^T qg^T + v^T Aqk^T,   S^T = S^T diag(gl) + v^T kd.
-// Each half forms its partial products over its own dimensions and the two meet once a chunk
-// in shared memory (W^T, and O^T where the chain forms it, sum over all of D): two barriers a
-// chunk, where S and W kept in shared memory took four and held the tensor pipe 30% busy.
-// O is off the chain: the next chunk needs only S. With the wide slice the register file holds
-// the chain warps alone, and they form O too. With the narrow slice (SPLIT) a block has one
-// chain warp a scheduler, and as many output warps take O: the chain warps hand them the A
-// fragments they form anyway (S^T before its update, v^T) through a double buffer, and the
-// output warps form O a chunk behind, qg's fragments loaded from L2 into registers a chunk
-// ahead and Aqk staged by themselves (the narrow walk 7-10% faster than the chain forming O).
-// w (and qg) are double-buffered and copied a chunk ahead; kd, Aqk and gl land during the
-// first products (the narrow chain's kd^T and gl a chunk ahead, in the shared memory the
-// output warps leave, measured 8-9% slower: a larger burst of copies at each chunk's start).
-// gl is read from shared memory after the hand-over (the decay applied just before S's update)
-// and u from L2 after the first products: held in registers across those products they took 16
-// and 32 a thread, and CuPy's build of the wide walk spilled 48 bytes. Staged rows keep
-// bfo_word's order, their 16-byte units swizzled by row parity, so a quarter-warp's loads (rows
-// n, n + 1) hit distinct banks.
-// SPLIT's named barriers: 1 the chain's, 2 the output's, FULL(b) = 3 + b once the fragments of
-// a chunk of parity b are in place, EMPTY(b) = 5 + b once they are read.
-template <int D, int VS, bool SPLIT>
+// ---- walk: the chunks in order, one (head, 64-column slice of V) a block ---------------------
+// One warpgroup a block carries its slice of the state transposed, S^T [64, D] (the state's own
+// [Dv, Dk] layout), as the fp32 accumulator of an m64nD warpgroup MMA: warp w holds rows 16 w..
+// with all D dimensions, so no product is split over warps and nothing is reduced across them.
+// A chunk is four products, every one with its A operand in registers (an accumulator's
+// fragments are an A operand's) and its B operand in shared memory:
+//   W^T = S^T w^T and O^T = S^T qg^T;  v^T = u^T - W^T;
+//   S^T = S^T diag(gl) + v^T kd and O^T += v^T Aqk^T.
+// Warpgroup MMAs run at 1.5x the rate mma.sync reaches (4096 against ~2700 bf16 FLOP a cycle
+// an SM, measured) and issue asynchronously; each product is 3xBF16 from split words, as the
+// intra kernel's. The operands arrive by bulk copies, one a (chunk, head) block, since the
+// intra kernel writes them as this kernel's shared-memory image: 128 KB a chunk through
+// cp.async from four warps ran at ~15 bytes a cycle an SM, the chain's products waiting on
+// their issue. w, qg, u and gl of the next chunk land in a second buffer while this one's
+// products run; kd and Aqk, which only the second pair reads, land during the first.
+template <int D>
 struct Walk {
-    static constexpr int CW = VS / 8;   // chain warps: VS / 16 row groups x 2 halves of D
-    static constexpr int NS = 32 * CW;  // chain threads; SPLIT adds as many output threads
-    static constexpr int BLOCK = SPLIT ? 2 * NS : NS;
-    static constexpr int DK = D / 2;                  // dimensions a chain warp owns
-    static constexpr int NTD = DK / 8, NTC = CH / 8;  // its n-tiles of D; the n-tiles of C
-    static constexpr int XW = (SPLIT ? NTC : NTC + NTC / 2) * 128;  // hand-over: W^T (, half O^T)
-    static constexpr int FS = VS * D, FP = VS * CH;  // SPLIT: S^T's, v^T's A fragments (words)
-    static constexpr int W_OFF = 0, Q_OFF = 2 * CH * D;  // w, (qg): 2 buffers
-    static constexpr int K_OFF = (SPLIT ? 2 : 4) * CH * D, A_OFF = K_OFF + D * CH;  // kd^T, Aqk
-    static constexpr int F_OFF = A_OFF + (SPLIT ? 2 : 1) * CH * CH;  // SPLIT: Aqk x2, fragments x2
-    static constexpr int X_OFF = F_OFF + (SPLIT ? 2 * (FS + FP) : 0);
-    static constexpr int GL_OFF = X_OFF + CW * XW, WORDS = GL_OFF + D;
+    static constexpr int VS = WALK_VS;  // state rows (v) a block: the warpgroup's m64
+    static constexpr int BLOCK = WARPGROUP;
+    static constexpr int WQ_BYTES = CH * D * 4, K_BYTES = D * CH * 4, A_BYTES = CH * CH * 4;
+    static constexpr int U_BYTES = CH * VS * 4, GL_BYTES = D * 4;
+    static constexpr int W_OFF = 0, Q_OFF = 2 * WQ_BYTES, K_OFF = 4 * WQ_BYTES;  // w, qg: 2 buffers
+    static constexpr int A_OFF = K_OFF + K_BYTES, U_OFF = A_OFF + A_BYTES;      // kd^T, Aqk
+    static constexpr int GL_OFF = U_OFF + 2 * U_BYTES, BAR_OFF = GL_OFF + 2 * GL_BYTES;  // u, gl: 2
+    static constexpr int BYTES = BAR_OFF + 3 * 8;  // mbarriers: buffers 0, 1; kd and Aqk
 };
 
-// Queue a block of ROWS rows of UNITS 16-byte units, each row's units swizzled by its parity.
-// tid: the thread's index among the NTHREADS that share the copy.
-template <int ROWS, int UNITS, int NTHREADS>
-__device__ __forceinline__ void stage_rows(unsigned* dst, const unsigned* src, int tid) {
-    static_assert(ROWS * UNITS % NTHREADS == 0 && UNITS >= 8, "whole rounds; the swizzle fits");
-#pragma unroll
-    for (int it = 0; it < ROWS * UNITS / NTHREADS; ++it) {
-        const int i = tid + it * NTHREADS, r = i / UNITS, q = i % UNITS;
-        cp_async16(dst + r * 4 * UNITS + 4 * (q ^ ((r & 1) << 2)), src + 4 * i);
-    }
+// The hi plane's descriptor of a staged operand of N rows (img_word's layout).
+template <int N>
+__device__ __forceinline__ u64 operand_desc(const unsigned char* p) {
+    return wgmma_desc(p, N * 16, 128);
 }
 
-// A lane's B fragment from its four words in bfo_word's order: (hi, hi, lo, lo).
-__device__ __forceinline__ Frag frag_b(const uint4 x) {
-    return {{x.x, x.y, 0u, 0u}, {x.z, x.w, 0u, 0u}};
-}
-
-// The B fragment of row n (B's column) and k-block kb of a staged operand, ld words a row.
-__device__ __forceinline__ Frag frag_bo(const unsigned* buf, int ld, int n, int kb, int t4) {
-    return frag_b(
-        *reinterpret_cast<const uint4*>(buf + n * ld + 4 * ((4 * kb + t4) ^ ((n & 1) << 2))));
-}
-
-// The A fragment of k-columns 16 i.. from the C fragments of columns 16 i.. (x), 16 i + 8.. (y).
-__device__ __forceinline__ Frag frag_of(const float x[4], const float y[4]) {
+// The A fragment (hi, lo words) of k-columns 16 i.. from the C fragments of columns 16 i..
+// (x) and 16 i + 8.. (y).
+__device__ __forceinline__ void frag_of(const float* x, const float* y, unsigned (&hi)[4],
+                                        unsigned (&lo)[4]) {
     const uint2 p0 = split_pair(x[0], x[1]), p1 = split_pair(x[2], x[3]);
     const uint2 p2 = split_pair(y[0], y[1]), p3 = split_pair(y[2], y[3]);
-    return {{p0.x, p1.x, p2.x, p3.x}, {p0.y, p1.y, p2.y, p3.y}};
+    hi[0] = p0.x, hi[1] = p1.x, hi[2] = p2.x, hi[3] = p3.x;
+    lo[0] = p0.y, lo[1] = p1.y, lo[2] = p2.y, lo[3] = p3.y;
 }
 
-// c += a b in 3xBF16 into one accumulator (the walk's products have 8-24 independent ones).
-__device__ __forceinline__ void mma3_acc(float c[4], const Frag& a, const Frag& b) {
-    mma3(c, c, a, b);
-}
-
-__device__ __forceinline__ void bar_sync(int id, int n) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
-// An A fragment slot of the SPLIT hand-over: 128 words of hi (lane l's four at 4 l), then 128
-// of lo: a warp's 16-byte stores and loads each cover 512 contiguous bytes.
-__device__ __forceinline__ void put_frag(unsigned* slot, const Frag& f, int lane) {
-    *reinterpret_cast<uint4*>(slot + 4 * lane) = make_uint4(f.hi[0], f.hi[1], f.hi[2], f.hi[3]);
-    *reinterpret_cast<uint4*>(slot + 128 + 4 * lane) = make_uint4(f.lo[0], f.lo[1], f.lo[2], f.lo[3]);
-}
-__device__ __forceinline__ Frag get_frag(const unsigned* slot, int lane) {
-    const uint4 a = *reinterpret_cast<const uint4*>(slot + 4 * lane);
-    const uint4 b = *reinterpret_cast<const uint4*>(slot + 128 + 4 * lane);
-    return {{a.x, a.y, a.z, a.w}, {b.x, b.y, b.z, b.w}};
-}
-
-// O^T rows vr + g (+ 8) of t-tile tt, where t < T.
-template <int D>
-__device__ __forceinline__ void store_o(float* core, const float o[4], int c0, int tt, int vr,
-                                        int g, int t4, int T, int H) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int t = c0 + 8 * tt + 2 * t4 + (i & 1);
-        if (t < T) core[(u64)t * H * D + (u64)blockIdx.x * D + vr + g + 8 * (i >> 1)] = o[i];
+// d += A B over K in 3xBF16: A's fragments in registers, B a staged operand of N rows (hi plane
+// descriptor bh; a k-step is two core matrices along K, the lo plane N K bf16 on).
+template <int N, int K, int S = 0>
+__device__ __forceinline__ void wg3(float (&d)[N / 2], const unsigned (&ah)[K / 16][4],
+                                    const unsigned (&al)[K / 16][4], u64 bh) {
+    if constexpr (S < K / 16) {
+        wgmma_rs<N, 2 * N * S>(d, al[S], bh);
+        wgmma_rs<N, 2 * N * S + N * K / 8>(d, ah[S], bh);
+        wgmma_rs<N, 2 * N * S>(d, ah[S], bh);
+        wg3<N, K, S + 1>(d, ah, al, bh);
     }
 }
 
-template <int D, int VS, bool SPLIT>
-__device__ void walk_chain(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
-                           const float* __restrict__ gl, const unsigned* __restrict__ w_in,
-                           const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
-                           float* __restrict__ state, float* __restrict__ core, int T,
-                           int T_pad, int H) {
-    using L = Walk<D, VS, SPLIT>;
-    constexpr int DK = L::DK, NTD = L::NTD, NTC = L::NTC, HT = NTC / 2, NS = L::NS;
-    extern __shared__ __align__(16) unsigned smw[];
-    unsigned *Kb = smw + L::K_OFF, *Ab = smw + L::A_OFF;
-    const float* Gl = reinterpret_cast<const float*>(smw + L::GL_OFF);
-    const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+template <int D>
+__device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
+                     const float* __restrict__ gl, const unsigned* __restrict__ w_in,
+                     const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
+                     float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
+                     int H) {
+    using L = Walk<D>;
+    constexpr int KD = D / 16, KC = CH / 16;  // k-steps over D and over C
+    extern __shared__ __align__(128) unsigned char smb[];
+    u64* bars = reinterpret_cast<u64*>(smb + L::BAR_OFF);
+    const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int half = warp & 1, dk0 = half * DK;         // this warp's dimensions
-    const int vr = blockIdx.y * VS + 16 * (warp >> 1);  // and its first state row (a v index)
-    float4* give = reinterpret_cast<float4*>(smw + L::X_OFF + warp * L::XW);
-    const float4* take = reinterpret_cast<const float4*>(smw + L::X_OFF + (warp ^ 1) * L::XW);
+    const int v0 = blockIdx.y * L::VS, vr = 16 * warp + g;  // the slice; this thread's rows vr, vr + 8
     const int nchunks = T_pad / CH;
-    const auto sync = [] {  // the chain's barrier
-        if constexpr (SPLIT) bar_sync(1, NS); else __syncthreads();
-    };
-    auto issue_wq = [&](int ci) {  // w (and qg) of chunk ci into buffer ci % 2
-        const u64 o = ((u64)ci * H + h) * CH * D;
-        stage_rows<CH, D / 4, NS>(smw + L::W_OFF + (ci & 1) * CH * D, w_in + o, threadIdx.x);
-        if constexpr (!SPLIT)
-            stage_rows<CH, D / 4, NS>(smw + L::Q_OFF + (ci & 1) * CH * D, qg + o, threadIdx.x);
+    auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2 (one thread)
+        const int b = ci & 1;
+        const u64 blk = (u64)ci * H + h;
+        mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
+        bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CH * D, L::WQ_BYTES, bars + b);
+        bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CH * D, L::WQ_BYTES, bars + b);
+        bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS,
+                  L::U_BYTES, bars + b);
+        bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
     };
 
-    // S^T rows vr + g (+ 8), columns dk0 + 8 j + 2 t4 (+ 1)
-    float S[NTD][4];
-    float* st = state + ((u64)h * D + vr + g) * D + dk0 + 2 * t4;
+    // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): tile j of the m64nD accumulator
+    float S[D / 2];
+    float* st = state + ((u64)h * D + v0 + vr) * D + 2 * t4;
 #pragma unroll
-    for (int j = 0; j < NTD; ++j) {
+    for (int j = 0; j < D / 8; ++j) {
         const float2 a = *reinterpret_cast<const float2*>(st + 8 * j);
         const float2 b = *reinterpret_cast<const float2*>(st + 8 * D + 8 * j);
-        S[j][0] = a.x, S[j][1] = a.y, S[j][2] = b.x, S[j][3] = b.y;
+        S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
     }
-    issue_wq(0);
-    cp_commit();
+    unsigned Sh[KD][4], Sl[KD][4];
+#pragma unroll
+    for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
+    if (tid == 0) {
+        for (int i = 0; i < 3; ++i) mbar_init(bars + i);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid == 0) load_next(0);
 
+    const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CH>(smb + L::A_OFF);
     for (int ci = 0; ci < nchunks; ++ci) {
-        const int c0 = ci * CH, b = ci & 1;
-        // SPLIT: this chunk's slots for S^T's and v^T's fragments
-        unsigned* Fs = smw + L::F_OFF + b * (L::FS + L::FP) + (warp >> 1) * (D / 16) * 256;
-        unsigned* Fp = smw + L::F_OFF + b * (L::FS + L::FP) + L::FS + (warp >> 1) * (CH / 16) * 256;
-        cp_wait<0>();
-        sync();  // w, qg (ci) landed; the last chunk's reads of kd, Aqk, hand-overs done
-        stage_rows<D, CH / 4, NS>(Kb, kd + ((u64)ci * H + h) * D * CH, threadIdx.x);
-        if constexpr (!SPLIT)
-            stage_rows<CH, CH / 4, NS>(Ab, aqk + ((u64)ci * H + h) * CH * CH, threadIdx.x);
-        if (threadIdx.x < D / 4)
-            cp_async16(smw + L::GL_OFF + 4 * threadIdx.x,
-                       gl + ((u64)ci * H + h) * D + 4 * threadIdx.x);
-        cp_commit();
-        if (ci + 1 < nchunks) issue_wq(ci + 1);
-        cp_commit();
-        // u (half 0 subtracts it) is fetched into L2 now and read after the first products:
-        // held in registers across them it took 32 a thread
-        const u64 urow = ((u64)ci * H + h) * CH;
-        constexpr int ULINES = VS / 32;  // 128-byte lines a row
-        if (threadIdx.x < CH * ULINES) {
-            const float* line = u_in + (urow + threadIdx.x / ULINES) * D + blockIdx.y * VS +
-                                32 * (threadIdx.x % ULINES);
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-        }
-        if constexpr (SPLIT)
-            if (ci >= 2) bar_sync(5 + b, L::BLOCK);  // chunk ci - 2's fragments are read
-
-        // W^T (and O^T) over this half's dimensions. O's slot j is t-tile (j + HT half) % NTC:
-        // slots below HT are the tiles this warp finishes, the rest its partner's.
-        const unsigned* wb = smw + L::W_OFF + (ci & 1) * CH * D;
-        const unsigned* qb = smw + L::Q_OFF + (ci & 1) * CH * D;
-        float P[NTC][4] = {}, O[SPLIT ? 1 : NTC][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < DK / 16; ++ks) {
-            const Frag a = frag_of(S[2 * ks], S[2 * ks + 1]);
-            const int kb = half * (DK / 16) + ks;
-            if constexpr (SPLIT) put_frag(Fs + kb * 256, a, lane);
-#pragma unroll
-            for (int j = 0; j < NTC; ++j) {
-                mma3_acc(P[j], a, frag_bo(wb, D, 8 * j + g, kb, t4));
-                if constexpr (!SPLIT)
-                    mma3_acc(O[j], a, frag_bo(qb, D, 8 * ((j + HT * half) % NTC) + g, kb, t4));
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < NTC; ++j) {
-            if (!half) {
-                const float* ub = u_in + (urow + 8 * j + 2 * t4) * D + vr + g;  // u[c][v]
-#pragma unroll
-                for (int i = 0; i < 4; ++i) P[j][i] = ub[(i & 1) * D + 8 * (i >> 1)] - P[j][i];
-            }
-            give[j * 32 + lane] = make_float4(P[j][0], P[j][1], P[j][2], P[j][3]);
-        }
-        if constexpr (!SPLIT) {
-#pragma unroll
-            for (int j = HT; j < NTC; ++j)
-                give[(NTC + j - HT) * 32 + lane] = make_float4(O[j][0], O[j][1], O[j][2], O[j][3]);
-        }
-        cp_wait<1>();
-        sync();  // kd, Aqk, gl (ci) landed; both halves' hand-overs written
-#pragma unroll
-        for (int j = 0; j < NTD; ++j) {
-            const float2 x = *reinterpret_cast<const float2*>(Gl + dk0 + 8 * j + 2 * t4);
-            S[j][0] *= x.x, S[j][1] *= x.y, S[j][2] *= x.x, S[j][3] *= x.y;
+        const int b = ci & 1, c0 = ci * CH;
+        const u64 blk = (u64)ci * H + h;
+        mbar_wait(bars + b, (ci >> 1) & 1);  // chunk ci's w, qg, u, gl
+        __syncthreads();  // every thread is past chunk ci - 1: its buffers are free
+        if (tid == 0) {
+            mbar_expect(bars + 2, L::K_BYTES + L::A_BYTES);
+            bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + 2);
+            bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + 2);
+            if (ci + 1 < nchunks) load_next(ci + 1);
         }
 
-        // v^T = (u^T - W^T of half 0) - W^T of half 1: the same bits in both halves
+        float P[CH / 2], O[CH / 2];
 #pragma unroll
-        for (int j = 0; j < NTC; ++j) {
-            const float4 x = take[j * 32 + lane];
-            const float y[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) P[j][i] = half ? y[i] - P[j][i] : P[j][i] - y[i];
-        }
-        if constexpr (!SPLIT) {
-#pragma unroll
-            for (int j = 0; j < HT; ++j) {
-                const float4 x = take[(NTC + j) * 32 + lane];
-                O[j][0] += x.x, O[j][1] += x.y, O[j][2] += x.z, O[j][3] += x.w;
-            }
-        }
-#pragma unroll
-        for (int ks = 0; ks < CH / 16; ++ks) {
-            const Frag a = frag_of(P[2 * ks], P[2 * ks + 1]);
-            if constexpr (SPLIT)
-                if ((ks & 1) == half) put_frag(Fp + ks * 256, a, lane);
-#pragma unroll
-            for (int j = 0; j < NTD; ++j)
-                mma3_acc(S[j], a, frag_bo(Kb, CH, dk0 + 8 * j + g, ks, t4));
-            if constexpr (!SPLIT) {
-#pragma unroll
-                for (int j = 0; j < HT; ++j) {
-                    const int tt = j + HT * half;  // Aqk[t][s] is zero for s > t
-                    if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
-                }
-            }
-        }
-        if constexpr (SPLIT) {
-            bar_arrive(3 + b, L::BLOCK);
-        } else {
-#pragma unroll
-            for (int j = 0; j < HT; ++j) store_o<D>(core, O[j], c0, j + HT * half, vr, g, t4, T, H);
-        }
-    }
-    cp_wait<0>();
-#pragma unroll
-    for (int j = 0; j < NTD; ++j) {
-        *reinterpret_cast<float2*>(st + 8 * j) = make_float2(S[j][0], S[j][1]);
-        *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(S[j][2], S[j][3]);
-    }
-}
+        for (int i = 0; i < CH / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
+        wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
+        wgmma_fence();
+        wg3<CH, D>(P, Sh, Sl, operand_desc<CH>(smb + L::W_OFF + b * L::WQ_BYTES));
+        wg3<CH, D>(O, Sh, Sl, operand_desc<CH>(smb + L::Q_OFF + b * L::WQ_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(P), wgmma_pin(O);
 
-// SPLIT's output warps: warp (row group, half of the chunk's t-tiles), O^T = S^T qg^T + v^T
-// Aqk^T from the chain's fragments of a chunk.
-template <int D, int VS>
-__device__ void walk_output(const unsigned* __restrict__ qg, const unsigned* __restrict__ aqk,
-                            float* __restrict__ core, int T, int T_pad, int H) {
-    using L = Walk<D, VS, true>;
-    constexpr int NTC = L::NTC, HT = NTC / 2, NS = L::NS, KB = D / 16;
-    extern __shared__ __align__(16) unsigned smw[];
-    const int h = blockIdx.x, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int ow = (threadIdx.x - NS) >> 5, rg = ow >> 1, th = ow & 1, tid = threadIdx.x - NS;
-    const int vr = blockIdx.y * VS + 16 * rg;
-    const int nchunks = T_pad / CH;
-    uint4 qf[KB][HT];  // qg's B fragments, in its global fragment order (no swizzle)
-    auto load_qg = [&](int ci) {
-        const unsigned* base = qg + ((u64)ci * H + h) * CH * D;
+        // v^T = u^T - W^T, its fragments; the decay on S
+        const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
 #pragma unroll
-        for (int kb = 0; kb < KB; ++kb)
+        for (int j = 0; j < CH / 8; ++j)
 #pragma unroll
-            for (int j = 0; j < HT; ++j)
-                qf[kb][j] = __ldg(reinterpret_cast<const uint4*>(
-                    base + (8 * (j + HT * th) + g) * D + 16 * kb + 4 * t4));
-    };
-    auto stage_aqk = [&](int ci) {
-        stage_rows<CH, CH / 4, NS>(smw + L::A_OFF + (ci & 1) * CH * CH,
-                                   aqk + ((u64)ci * H + h) * CH * CH, tid);
-    };
-    load_qg(0);
-    stage_aqk(0);
-    cp_commit();
-    for (int ci = 0; ci < nchunks; ++ci) {
-        const int b = ci & 1;
-        const unsigned* Fs = smw + L::F_OFF + b * (L::FS + L::FP) + rg * KB * 256;
-        const unsigned* Fp = smw + L::F_OFF + b * (L::FS + L::FP) + L::FS + rg * (CH / 16) * 256;
-        bar_sync(3 + b, L::BLOCK);  // chunk ci's fragments are in place
-        float O[HT][4] = {};
+            for (int i = 0; i < 4; ++i)
+                P[4 * j + i] = us[(8 * j + 2 * t4 + (i & 1)) * L::VS + vr + 8 * (i >> 1)] - P[4 * j + i];
+        unsigned Vh[KC][4], Vl[KC][4];
 #pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-            const Frag a = get_frag(Fs + kb * 256, lane);
+        for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, Vh[s], Vl[s]);
+        const float* gls = reinterpret_cast<const float*>(smb + L::GL_OFF + b * L::GL_BYTES);
 #pragma unroll
-            for (int j = 0; j < HT; ++j)
-                mma3_acc(O[j], a, frag_b(qf[kb][j]));
+        for (int j = 0; j < D / 8; ++j) {
+            const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
+            S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
         }
-        if (ci + 1 < nchunks) load_qg(ci + 1);
-        cp_wait<0>();
-        bar_sync(2, NS);  // Aqk (ci) landed; every output warp is past chunk ci - 1
-        const unsigned* Ab = smw + L::A_OFF + b * CH * CH;
+        mbar_wait(bars + 2, ci & 1);  // kd, Aqk (ci)
+        wgmma_pin(S), wgmma_pin(O);
+        wgmma_fence();
+        wg3<D, CH>(S, Vh, Vl, kdesc);
+        wg3<CH, CH>(O, Vh, Vl, adesc);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(S), wgmma_pin(O);
 #pragma unroll
-        for (int ks = 0; ks < CH / 16; ++ks) {
-            const Frag a = get_frag(Fp + ks * 256, lane);
+        for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
+        // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
 #pragma unroll
-            for (int j = 0; j < HT; ++j) {
-                const int tt = j + HT * th;  // Aqk[t][s] is zero for s > t
-                if (2 * ks <= tt) mma3_acc(O[j], a, frag_bo(Ab, CH, 8 * tt + g, ks, t4));
+        for (int j = 0; j < CH / 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int t = c0 + 8 * j + 2 * t4 + (i & 1);
+                if (t < T) core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i];
             }
-        }
-        if (ci + 2 < nchunks) bar_arrive(5 + b, L::BLOCK);
-#pragma unroll
-        for (int j = 0; j < HT; ++j) store_o<D>(core, O[j], ci * CH, j + HT * th, vr, g, t4, T, H);
-        if (ci + 1 < nchunks) stage_aqk(ci + 1);
-        cp_commit();
     }
-    cp_wait<0>();
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<float2*>(st + 8 * j) = make_float2(S[4 * j], S[4 * j + 1]);
+        *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(S[4 * j + 2], S[4 * j + 3]);
+    }
 }
 
 // T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
@@ -762,20 +618,14 @@ __device__ void walk_output(const unsigned* __restrict__ qg, const unsigned* __r
         int T_pad, int H, float scale) {                                                       \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }
-#define KDA_CHUNK_INTER(D, VS, SPLIT)                                                          \
-    extern "C" __global__ void __launch_bounds__((Walk<D, VS, SPLIT>::BLOCK), 1)                \
-        kda_chunk_inter_d##D##_v##VS(                                                          \
+#define KDA_CHUNK_INTER(D)                                                                     \
+    extern "C" __global__ void __launch_bounds__(Walk<D>::BLOCK, 1)   kda_chunk_inter_d##D(     \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
         int H) {                                                                               \
-        if (!SPLIT || threadIdx.x < Walk<D, VS, SPLIT>::NS)                                    \
-            walk_chain<D, VS, SPLIT>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);         \
-        else                                                                                   \
-            walk_output<D, VS>(qg, aqk, core, T, T_pad, H);                                    \
+        walk<D>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                              \
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)
-KDA_CHUNK_INTER(64, 32, true)
-KDA_CHUNK_INTER(64, 64, false)
-KDA_CHUNK_INTER(128, 32, true)
-KDA_CHUNK_INTER(128, 64, false)
+KDA_CHUNK_INTER(64)
+KDA_CHUNK_INTER(128)

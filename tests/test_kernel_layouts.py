@@ -21,12 +21,10 @@ PRINT_CHUNK_LAYOUTS = r"""
 int main() {
     printf("CH %d\nTHREADS %d\nAP %d\nintra %d\n", CH, THREADS, AP, Intra::FLOATS * 4);
     printf("MAX_W %d\n", MAX_W);
-    printf("walk_64_32 %d\nwalk_64_64 %d\nwalk_128_32 %d\nwalk_128_64 %d\n",
-           Walk<64, 32, true>::WORDS * 4, Walk<64, 64, false>::WORDS * 4,
-           Walk<128, 32, true>::WORDS * 4, Walk<128, 64, false>::WORDS * 4);
-    printf("walk_block_32 %d\nwalk_block_64 %d\n", Walk<128, 32, true>::BLOCK,
-           Walk<128, 64, false>::BLOCK);
-    for (int p = 0; p < 64; ++p) printf("bfo_%d %d\n", p, bfo_word(p));
+    printf("walk_64 %d\nwalk_128 %d\n", Walk<64>::BYTES, Walk<128>::BYTES);
+    printf("walk_rows %d\nwalk_block %d\n", Walk<128>::VS, Walk<128>::BLOCK);
+    for (int n = 0; n < CH; ++n)
+        for (int p = 0; p < 64; ++p) printf("img_%d_%d %d\n", n, p, img_word(CH, n, p));
 }
 """
 
@@ -55,29 +53,23 @@ def test_chunk_constants_match(chunk_layouts):
 def test_chunk_shared_memory_matches(chunk_layouts):
     assert chunk_layouts["intra"] == kernels.intra_smem_bytes()
     for d in (64, 128):
-        for vs in kernels.WALK_SLICES:
-            assert chunk_layouts[f"walk_{d}_{vs}"] == kernels.walk_smem_bytes(d, vs), (d, vs)
-    for vs in kernels.WALK_SLICES:
-        assert chunk_layouts[f"walk_block_{vs}"] == kernels.walk_threads(vs), vs
+        assert chunk_layouts[f"walk_{d}"] == kernels.walk_smem_bytes(d), d
+    assert chunk_layouts["walk_rows"] == kernels.WALK_ROWS
+    assert chunk_layouts["walk_block"] == kernels.WALK_THREADS
 
 
-def test_walk_order_matches(chunk_layouts):
-    """The host backend lays the chunk operands out exactly as the CUDA walk reads them."""
-    from kdarun.host_kernels import from_walk_order, to_walk_order
-    row = np.arange(128, dtype=np.uint32)  # split_words' order: hi p0, lo p0, hi p1, ...
-    placed = to_walk_order(row)
-    for p in range(64):
-        assert placed[chunk_layouts[f"bfo_{p}"]] == 2 * p  # hi of pair p
-        assert placed[chunk_layouts[f"bfo_{p}"] + 2] == 2 * p + 1  # its lo
-    assert np.array_equal(from_walk_order(placed), row)
-
-
-def test_walk_variants_are_the_compiled_ones():
-    src = (kernels_dir() / "chunk.cu").read_text()
-    built = {(int(d), int(vs), split == "true") for d, vs, split in
-             re.findall(r"^KDA_CHUNK_INTER\((\d+), (\d+), (true|false)\)", src, re.M)}
-    assert built == {(d, vs, vs == kernels.WALK_SPLIT_SLICE) for d in (64, 128)
-                     for vs in kernels.WALK_SLICES}
+def test_walk_image_matches(chunk_layouts):
+    """The host backend lays the chunk operands out exactly as the CUDA kernels write and the
+    walk's bulk copies stage them (img_word in chunk.cu), here for a [C, 128] block."""
+    from kdarun.host_kernels import from_walk_image, to_walk_image
+    words = np.arange(CHUNK * 128, dtype=np.uint32).reshape(CHUNK, 128)  # split_words' order
+    image = to_walk_image(words)
+    for n in range(CHUNK):
+        for p in range(64):
+            at = chunk_layouts[f"img_{n}_{p}"]
+            assert image[at] == words[n, 2 * p]  # hi of pair p
+            assert image[at + CHUNK * 64] == words[n, 2 * p + 1]  # its lo, a plane on
+    assert np.array_equal(from_walk_image(image, CHUNK), words)
 
 
 def test_decode_split_matches():
@@ -114,7 +106,7 @@ def test_gemv_constants_match():
 
 def test_chunk_entries_are_the_launched_ones(tmp_path):
     """chunk.cu instantiates every kernel the wrappers launch (both head dims; the intra kernel
-    and each walk slice), and nothing else."""
+    and the walk), and nothing else."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not on PATH")
@@ -124,5 +116,4 @@ def test_chunk_entries_are_the_launched_ones(tmp_path):
                    capture_output=True)
     entries = set(re.findall(r"\.entry (\w+)\(", ptx.read_text()))
     assert entries == ({f"kda_chunk_intra_d{d}" for d in (64, 128)}
-                       | {f"kda_chunk_inter_d{d}_v{vs}" for d in (64, 128)
-                          for vs in kernels.WALK_SLICES})
+                       | {f"kda_chunk_inter_d{d}" for d in (64, 128)})

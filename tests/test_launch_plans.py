@@ -45,8 +45,18 @@ def test_front_end_plan_covers_every_tile(preset):
     assert launch.shared_mem == kernels.gemv_smem_bytes()
 
 
-def test_walk_slice_is_one_compiled():
-    kn = Glm5NextKdaKernels(open_backend("host"), synthetic.preset_config("tiny"))
-    assert kn.walk_slice() in kernels.WALK_SLICES
-    with pytest.raises(KdaError, match=r"vs must be one of \(32, 64\), got 48"):
-        kn.kda_chunk_inter(0, None, DevicePtr(64), 64, vs=48)
+def test_walk_fits_an_sm():
+    """The walk's block and shared memory fit one H200 SM (227 KB a block) at both head dims."""
+    for d in (64, 128):
+        assert kernels.walk_smem_bytes(d) <= 227 * 1024, d
+        assert d % kernels.WALK_ROWS == 0  # whole blocks of state rows a head
+
+
+def test_walk_refuses_a_device_without_warpgroup_mmas():
+    class NoWgmma(type(open_backend("host", announce=False))):
+        has_wgmma = False
+
+    kn = Glm5NextKdaKernels(NoWgmma(), synthetic.preset_config("tiny"))
+    with pytest.raises(KdaError, match=r"warpgroup MMAs, which .* lacks \(needs compute "
+                                       r"capability 9\.0\)"):
+        kn.kda_chunk_inter(0, None, DevicePtr(64), 64)

@@ -8,7 +8,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
-from kdarun.kernels import WALK_SLICES
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 from kdarun.workspace import BF16
@@ -44,20 +43,14 @@ def test_prefill_vs_reference_and_host(pair, T, warm):
     assert np.array_equal(bits(Cs), bits(s_ho.download()[1])) or rel(Cs, ref.conv_state) < BF16_OUT_TOL
 
 
-@pytest.mark.parametrize("vs", WALK_SLICES)
-def test_chunk_core_stage_local(pair, vs):
-    """The CUDA chunk core against the float64 recurrence fed the buffers it read, with each
-    compiled walk slice (a layer picks one by its size: these small ones pick the narrow)."""
+def test_chunk_core_stage_local(pair):
+    """The CUDA chunk core against the float64 recurrence fed the buffers it read."""
     from kdarun import reference
     cu, ho = pair
     cfg, T = cu.cfg, 1000
     R, C = ho.warm_state(seed=600)
     st = cu.state(R, C)
     cu.prefill(random_hidden(T, cfg.hidden_size, seed=601), st)
-    if vs != cu.layer.kernels.walk_slice():  # the walk again, from R, with this slice
-        st.upload(R, C)
-        cu.gpu.memset(cu.ws.core, 0xFF, cu.ws.nbytes("core", cu.ws.max_tokens()), 0)  # NaN
-        cu.layer.kernels.kda_chunk_inter(0, cu.ws, st.recurrent, T, vs)
     H, D = cfg.num_heads, cfg.head_dim
     rd = lambda n: cu.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
     qkv = [rd(n).reshape(T, H, D) for n in ("q_f32", "k_f32", "v_f32")]
