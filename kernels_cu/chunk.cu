@@ -4,13 +4,12 @@
 //     (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)] by forward substitution, and precomputes
 //     everything elementwise the sequential walk needs: qg = q exp(G), kd = k exp(G_last - G),
 //     gl = exp(G_last). The walk then does no transcendental math at all.
-//   kda_chunk_inter_d{D}_v{VS}: per (head, VS-column slice of V) walks the chunks in order with
-//     its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
-//     products run on tensor cores in 3xBF16 from operands the intra kernel already wrote as
-//     split bf16 words, one (chunk, head) block each, in the order the walk's fragments take
-//     them (so its inner loops convert nothing); the next operands stream into shared memory
-//     with cp.async while the current products run, since the walk is one block per SM and
-//     nothing else hides its loads.
+//   kda_chunk_inter_d{D}: per (head, 64-column slice of V) walks the chunks in order with its
+//     state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
+//     products run on warpgroup MMAs in 3xBF16 from operands the intra kernel already wrote as
+//     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
+//     one bulk copy stages each and its inner loops convert nothing); the next operands land
+//     while the current products run.
 // Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
 // padded tail can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
