@@ -110,7 +110,7 @@ __host__ __device__ constexpr int img_word(int N, int n, int p) {
 // in each k-octet of a plane), row t's dimensions 64 to a run, so that the parking and the
 // solve's reads of it are whole 256-byte runs.
 template <int D>
-__device__ __forceinline__ int park_word(int t, int d) {
+__host__ __device__ constexpr int park_word(int t, int d) {
     const int r = (D / 64) * (t % 16) + d / 64;  // the run: a plane's D / 8 k-octets each
     return (r / (D / 8)) * (CH * D / 2) + (r % (D / 8)) * 4 * CH + 64 * (t / 16) + d % 64;
 }

@@ -25,6 +25,10 @@ int main() {
     printf("walk_rows %d\nwalk_block %d\n", Walk<128>::VS, Walk<128>::BLOCK);
     for (int n = 0; n < CH; ++n)
         for (int p = 0; p < 64; ++p) printf("img_%d_%d %d\n", n, p, img_word(CH, n, p));
+    for (int t = 0; t < CH; ++t)
+        for (int d = 0; d < 128; ++d) printf("park128_%d_%d %d\n", t, d, park_word<128>(t, d));
+    for (int t = 0; t < CH; ++t)
+        for (int d = 0; d < 64; ++d) printf("park64_%d_%d %d\n", t, d, park_word<64>(t, d));
 }
 """
 
@@ -70,6 +74,21 @@ def test_walk_image_matches(chunk_layouts):
             assert image[at] == words[n, 2 * p]  # hi of pair p
             assert image[at + CHUNK * 64] == words[n, 2 * p + 1]  # its lo, a plane on
     assert np.array_equal(from_walk_image(image, CHUNK), words)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_parked_rows_fill_their_solve_block(chunk_layouts, d):
+    """The intra kernel parks k exp(G) in exactly the image words that w's rows of the same
+    16-row solve block take (park_word), so the solve reads a block's rows before any thread
+    overwrites them, and nothing of another block."""
+    words = lambda n, p: {at + plane * CHUNK * d // 2  # noqa: E731
+                          for plane in (0, 1) for at in [chunk_layouts[f"img_{n}_{p}"]]}
+    for r0 in range(0, CHUNK, 16):
+        rows = range(r0, r0 + 16)
+        parked = [chunk_layouts[f"park{d}_{t}_{c}"] for t in rows for c in range(d)]
+        assert len(set(parked)) == len(parked)  # one word each
+        image = set().union(*(words(n, p) for n in rows for p in range(d // 2)))
+        assert set(parked) == image
 
 
 def test_decode_split_matches():
