@@ -211,6 +211,35 @@ def from_walk_image(image: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def to_walk_image_mn(x: np.ndarray) -> np.ndarray:
+    """fp32 blocks [..., N, K] as the walk's MN-major image [..., N K] words (w's: `w_word` in
+    chunk.cu): bf16(x), then bf16(x - bf16(x)), each plane in core matrices of 8 k x 8 n (n
+    fastest), n-octets adjacent, k-octets 8 N bf16 on."""
+    x = np.asarray(x, F32)
+    *lead, n, k = x.shape
+    hi = x.astype(BF)
+    lo = (x - hi.astype(F32)).astype(BF)
+    m = len(lead)
+    planes = [np.ascontiguousarray(  # [n/8, n%8, k/8, k%8] -> [k/8, n/8, k%8, n%8]
+        p.reshape(*lead, n // 8, 8, k // 8, 8).transpose(*range(m), m + 2, m, m + 3, m + 1))
+        .view(np.uint16).reshape(*lead, n * k) for p in (hi, lo)]
+    return np.concatenate(planes, axis=-1).view(np.uint32)
+
+
+def from_walk_image_mn(image: np.ndarray, n: int) -> np.ndarray:
+    """`to_walk_image_mn`'s blocks of n rows back as fp32 [..., n, K]: hi + lo."""
+    *lead, words = image.shape
+    k = words // n
+    halves = np.ascontiguousarray(image).view(np.uint16)
+    m = len(lead)
+    out = np.zeros((*lead, n, k), F32)
+    for plane in (halves[..., :n * k], halves[..., n * k:]):
+        p = plane.view(BF).reshape(*lead, k // 8, n // 8, 8, 8)  # [k/8, n/8, k%8, n%8]
+        p = p.transpose(*range(m), m + 1, m + 3, m, m + 2)  # [n/8, n%8, k/8, k%8]
+        out += p.reshape(*lead, n, k).astype(F32)
+    return out
+
+
 def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
     """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
     (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
@@ -248,7 +277,7 @@ def _kda_chunk_intra(D):
                                                                  X[:, :i])
             blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci] = (  # the walk's slices
                 X[:, :, :D].reshape(H, CHUNK, D // WALK_ROWS, WALK_ROWS).transpose(0, 2, 1, 3))
-            blocks(w, (CHUNK * D,))[ci] = to_walk_image(split_words(X[:, :, D:]))
+            blocks(w, (CHUNK * D,))[ci] = to_walk_image_mn(X[:, :, D:])
             blocks(aqk, (CHUNK * CHUNK,))[ci] = to_walk_image(split_words(M))
     return run
 
@@ -262,8 +291,8 @@ def _kda_chunk_inter(D):
         blocks = lambda p, shape, dt=np.uint32: gpu.view(p, (nc, H, *shape), dt)  # noqa: E731
         for ci in range(nc):
             rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
-            Qg, Wk = (join_words(from_walk_image(blocks(p, (CHUNK * D,))[ci], CHUNK))
-                      for p in (qg, w))
+            Qg = join_words(from_walk_image(blocks(qg, (CHUNK * D,))[ci], CHUNK))
+            Wk = from_walk_image_mn(blocks(w, (CHUNK * D,))[ci], CHUNK)
             Kd = join_words(from_walk_image(blocks(kd, (D * CHUNK,))[ci], D)).transpose(0, 2, 1)
             U = blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci].transpose(0, 2, 1, 3)
             U = U.reshape(H, CHUNK, D)  # [H, C, Dv]

@@ -105,10 +105,20 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
 __host__ __device__ constexpr int img_word(int N, int n, int p) {
     return 4 * N * (p >> 2) + 4 * n + (p & 3);
 }
+// w is the one operand whose image is MN-major: the solve produces it a column (dimension) at a
+// time, and 8 tokens of one are a 16-byte row of a core matrix (8 dimensions x 8 tokens), so a
+// thread stores 16 bytes a plane for 8 rows and a warp whole lines. Token octets are adjacent,
+// dimension octets 4 C words apart; w_word is the word holding tokens t, t ^ 1 of dimension d
+// in the hi plane, the lo plane C D / 2 words on.
+__host__ __device__ constexpr int w_word(int d, int t) {
+    return 4 * CH * (d >> 3) + 32 * (t >> 3) + 4 * (d & 7) + ((t & 7) >> 1);
+}
+#define W_LBO (CH * 16)  // bytes between dimension (k) octets
+#define W_SBO 128        // bytes between token (n) octets
 // Where the intra kernel parks k exp(G)[t][d] in a w block until the solve overwrites it: the
-// words w's rows of t's 16-row solve block take in the image (64-word runs, 4 SB words a row
-// in each k-octet of a plane), row t's dimensions 64 to a run, so that the parking and the
-// solve's reads of it are whole 256-byte runs.
+// words w's rows of t's 16-row solve block take in its image (64-word runs: two token octets
+// in each dimension octet of a plane), row t's dimensions 64 to a run, so that the parking and
+// the solve's reads of it are whole 256-byte runs.
 template <int D>
 __host__ __device__ constexpr int park_word(int t, int d) {
     const int r = (D / 64) * (t % 16) + d / 64;  // the run: a plane's D / 8 k-octets each
@@ -329,9 +339,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // with C = A[block i, rows before it] X[rows before it] formed on tensor cores, so a
     // thread runs 120 dependent FMAs instead of 2 k and every warp keeps its column. X goes to
     // shared memory as hi and lo planes (the product's B operand) as each block is solved; u is
-    // written as fp32, w as split words in the walk's image (lanes 2i and 2i+1 meet in a
-    // shuffle, the even one writes the hi word) over the right-hand side k exp(G) parked in
-    // the words of the same 16-row block (park_word), read before any of them is written.
+    // written as fp32 and w as split words in the walk's image (w_word), over the right-hand
+    // side k exp(G) parked in the words of the same 16-row block (park_word), read before any
+    // of them is written.
     constexpr int LX = plane_ld(CH / 2);  // X's and A's plane rows: words of token pairs
     constexpr int XK = CH - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
@@ -363,10 +373,8 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     __syncthreads();  // A is read: C goes there
     PHASE(5);
     const int col = tid, dc = col < D ? col : col - D;
-    // u in slices [C, WALK_VS]; w's hi or lo word of pair dc / 2, rows 4 words apart
-    float* dst = col < D ? u_out + blk + (dc / WALK_VS) * CH * WALK_VS + dc % WALK_VS
-                         : w_out + blk + img_word(CH, 0, dc / 2) + (dc & 1) * (CH * D / 2);
-    const int ld = col < D ? WALK_VS : 4;
+    float* u_col = u_out + blk + (dc / WALK_VS) * CH * WALK_VS + dc % WALK_VS;  // u's slices
+    unsigned* w_img = reinterpret_cast<unsigned*>(w_out) + blk;
     for (int bi = 0; bi < CH / SB; ++bi) {
         const int r0 = bi * SB;
         // this block's right-hand sides, all in flight before the product below: loaded one
@@ -412,28 +420,27 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 for (int s2 = 0; s2 < r; ++s2) acc = __fmaf_rn(dg[r * DG + s2], x[s2], acc);
                 x[r] = Bs[r0 + r] * (rhs[r] - acc);
             }
-            __syncwarp();  // the warp's reads of these rows' right-hand sides are done
+            if (col < D) {
 #pragma unroll
-            for (int r = 0; r < SB; ++r) {
-                const int t = r0 + r;
-                if (col < D) {
-                    dst[t * ld] = x[r];
-                } else {
-                    const float y = __shfl_xor_sync(0xffffffffu, x[r], 1);
-                    const uint2 w2 = dc & 1 ? split_pair(y, x[r]) : split_pair(x[r], y);
-                    reinterpret_cast<unsigned*>(dst)[t * ld] = dc & 1 ? w2.y : w2.x;
-                }
+                for (int r = 0; r < SB; ++r) u_col[(r0 + r) * WALK_VS] = x[r];
             }
-            if (r0 + SB < CH) {
 #pragma unroll
-                for (int q4 = 0; q4 < SB / 8; ++q4) {  // four token pairs a 16-byte store
-                    uint2 y[4];
+            for (int q4 = 0; q4 < SB / 8; ++q4) {  // 8 tokens: a 16-byte store of each plane
+                uint2 y[4];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        y[i] = split_pair(x[8 * q4 + 2 * i], x[8 * q4 + 2 * i + 1]);
+                for (int i = 0; i < 4; ++i)
+                    y[i] = split_pair(x[8 * q4 + 2 * i], x[8 * q4 + 2 * i + 1]);
+                const uint4 hi = make_uint4(y[0].x, y[1].x, y[2].x, y[3].x);
+                const uint4 lo = make_uint4(y[0].y, y[1].y, y[2].y, y[3].y);
+                if (r0 + SB < CH) {
                     const int o = col * LX + r0 / 2 + 4 * q4;
-                    *reinterpret_cast<uint4*>(Xh + o) = make_uint4(y[0].x, y[1].x, y[2].x, y[3].x);
-                    *reinterpret_cast<uint4*>(Xl + o) = make_uint4(y[0].y, y[1].y, y[2].y, y[3].y);
+                    *reinterpret_cast<uint4*>(Xh + o) = hi;
+                    *reinterpret_cast<uint4*>(Xl + o) = lo;
+                }
+                if (col >= D) {
+                    unsigned* wq = w_img + w_word(dc, r0 + 8 * q4);
+                    *reinterpret_cast<uint4*>(wq) = hi;
+                    *reinterpret_cast<uint4*>(wq + CH * D / 2) = lo;
                 }
             }
         }
@@ -474,6 +481,10 @@ template <int N>
 __device__ __forceinline__ u64 operand_desc(const unsigned char* p) {
     return wgmma_desc(p, N * 16, 128);
 }
+// w's (w_word's layout, MN-major): core matrices of 8 dimensions x 8 tokens
+__device__ __forceinline__ u64 w_desc(const unsigned char* p) {
+    return wgmma_desc(p, W_LBO, W_SBO);
+}
 
 // The A fragment (hi, lo words) of k-columns 16 i.. from the C fragments of columns 16 i..
 // (x) and 16 i + 8.. (y).
@@ -487,14 +498,14 @@ __device__ __forceinline__ void frag_of(const float* x, const float* y, unsigned
 
 // d += A B over K in 3xBF16: A's fragments in registers, B a staged operand of N rows (hi plane
 // descriptor bh; a k-step is two core matrices along K, the lo plane N K bf16 on).
-template <int N, int K, int S = 0>
+template <int N, int K, int TB = 0, int S = 0>
 __device__ __forceinline__ void wg3(float (&d)[N / 2], const unsigned (&ah)[K / 16][4],
                                     const unsigned (&al)[K / 16][4], u64 bh) {
     if constexpr (S < K / 16) {
-        wgmma_rs<N, 2 * N * S>(d, al[S], bh);
-        wgmma_rs<N, 2 * N * S + N * K / 8>(d, ah[S], bh);
-        wgmma_rs<N, 2 * N * S>(d, ah[S], bh);
-        wg3<N, K, S + 1>(d, ah, al, bh);
+        wgmma_rs<N, 2 * N * S, TB>(d, al[S], bh);
+        wgmma_rs<N, 2 * N * S + N * K / 8, TB>(d, ah[S], bh);
+        wgmma_rs<N, 2 * N * S, TB>(d, ah[S], bh);
+        wg3<N, K, TB, S + 1>(d, ah, al, bh);
     }
 }
 
@@ -560,7 +571,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         for (int i = 0; i < CH / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
         wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
         wgmma_fence();
-        wg3<CH, D>(P, Sh, Sl, operand_desc<CH>(smb + L::W_OFF + b * L::WQ_BYTES));
+        wg3<CH, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
         wg3<CH, D>(O, Sh, Sl, operand_desc<CH>(smb + L::Q_OFF + b * L::WQ_BYTES));
         wgmma_commit();
         wgmma_wait<0>();

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,6 +26,8 @@ int main() {
     printf("walk_rows %d\nwalk_block %d\n", Walk<128>::VS, Walk<128>::BLOCK);
     for (int n = 0; n < CH; ++n)
         for (int p = 0; p < 64; ++p) printf("img_%d_%d %d\n", n, p, img_word(CH, n, p));
+    for (int t = 0; t < CH; ++t)
+        for (int d = 0; d < 128; ++d) printf("wimg_%d_%d %d\n", d, t, w_word(d, t));
     for (int t = 0; t < CH; ++t)
         for (int d = 0; d < 128; ++d) printf("park128_%d_%d %d\n", t, d, park_word<128>(t, d));
     for (int t = 0; t < CH; ++t)
@@ -79,16 +82,33 @@ def test_walk_image_matches(chunk_layouts):
 @pytest.mark.parametrize("d", [64, 128])
 def test_parked_rows_fill_their_solve_block(chunk_layouts, d):
     """The intra kernel parks k exp(G) in exactly the image words that w's rows of the same
-    16-row solve block take (park_word), so the solve reads a block's rows before any thread
-    overwrites them, and nothing of another block."""
-    words = lambda n, p: {at + plane * CHUNK * d // 2  # noqa: E731
-                          for plane in (0, 1) for at in [chunk_layouts[f"img_{n}_{p}"]]}
+    16-row solve block take (park_word, w_word), so the solve reads a block's rows before any
+    thread overwrites them, and nothing of another block."""
     for r0 in range(0, CHUNK, 16):
         rows = range(r0, r0 + 16)
         parked = [chunk_layouts[f"park{d}_{t}_{c}"] for t in rows for c in range(d)]
         assert len(set(parked)) == len(parked)  # one word each
-        image = set().union(*(words(n, p) for n in rows for p in range(d // 2)))
+        image = {chunk_layouts[f"wimg_{c}_{t}"] + plane * CHUNK * d // 2
+                 for plane in (0, 1) for t in rows for c in range(d)}
         assert set(parked) == image
+
+
+def test_w_image_matches(chunk_layouts):
+    """The host backend lays w out as the CUDA solve writes it and the walk reads it (w_word:
+    MN-major, tokens t and t ^ 1 of dimension d in one word, t even in the low half)."""
+    from kdarun.host_kernels import from_walk_image_mn, to_walk_image_mn
+    x = np.random.default_rng(0).standard_normal((CHUNK, 128)).astype(np.float32)  # [t, d]
+    image = to_walk_image_mn(x)
+    halves = image.view(np.uint16)
+    hi = x.astype(ml_dtypes.bfloat16)
+    lo = (x - hi.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    for d in range(128):
+        for t in range(CHUNK):
+            at = 2 * chunk_layouts[f"wimg_{d}_{t}"] + (t & 1)
+            assert halves[at] == hi[t, d].view(np.uint16)
+            assert halves[at + CHUNK * 128] == lo[t, d].view(np.uint16)  # a plane on
+    assert np.array_equal(from_walk_image_mn(image, CHUNK),
+                          hi.astype(np.float32) + lo.astype(np.float32))
 
 
 def test_decode_split_matches():
