@@ -77,7 +77,8 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "[T, gate_in_width] f_a|g_a|b",
                "the projection's outputs after q|k|v (which go to qkv_proj)"),
     # the chunked core's operands, a block for each (chunk, head), in the orders the walk reads:
-    # split words (host_kernels.split_words) as its shared-memory image (to_walk_image)
+    # split words (host_kernels.split_words) as its shared-memory image (to_walk_image; w's
+    # MN-major, to_walk_image_mn)
     BufferSpec("chunk_qg", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
                "[T_pad/C, H, C, D] split words, pairs along D, walk image",
                "q * scale * exp(G), G the in-chunk cumulative log-decay"),
@@ -87,7 +88,7 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_gl", _chunk_blocks(lambda c: (c.head_dim,)), F32, False,
                "[T_pad/C, H, D]", "exp(G_last) per chunk"),
     BufferSpec("chunk_w", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), U32, False,
-               "[T_pad/C, H, C, D] split words, pairs along D, walk image",
+               "[T_pad/C, H, C, D] bf16 hi, lo halves, token pairs in a word, walk image",
                "WY: (I + bA)^-1 b (K * Gamma)"),
     BufferSpec("chunk_u", _chunk_blocks(lambda c: (CHUNK, c.head_dim)), F32, False,
                "[T_pad/C, H, D/64, C, 64]: the walk's column slices", "WY: (I + bA)^-1 b V"),

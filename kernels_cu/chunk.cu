@@ -94,10 +94,10 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
     mma_bf16(small, a.hi, b.lo);
 }
 
-// The operands the walk takes as B (w, qg, kd^T, Aqk) are written as the image of the shared
-// memory its warpgroup MMAs read, so that one bulk copy stages a (chunk, head) block: N rows
-// of the product's n axis by K of its k axis in split words, a hi plane then a lo plane of
-// N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
+// The operands the walk takes as B (qg, kd^T, Aqk; w below) are written as the image of the
+// shared memory its warpgroup MMAs read, so that one bulk copy stages a (chunk, head) block: N
+// rows of the product's n axis by K of its k axis in split words, a hi plane then a lo plane
+// of N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
 // K-major layout without swizzle: core matrices of 8 rows x 16 bytes (4 k-pairs), adjacent
 // along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_VS
 // columns, [C, WALK_VS] each, for the same reason.
@@ -328,7 +328,8 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     {  // Aqk as split words, rows t with s-pairs in the walk's planes
         unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
         for (int i = tid; i < CH * CH / 2; i += THREADS) {  // a warp: 8 rows x 4 pairs
-            const int q = i & 31, t = 8 * ((i >> 5) / 8) + (q >> 2), p = 4 * ((i >> 5) % 8) + (q & 3);
+            const int q = i & 31, t = 8 * ((i >> 5) / 8) + (q >> 2);
+            const int p = 4 * ((i >> 5) % 8) + (q & 3);
             const uint2 x = split_pair(Ms[t * AP + 2 * p], Ms[t * AP + 2 * p + 1]);
             Mg[img_word(CH, t, p)] = x.x, Mg[img_word(CH, t, p) + CH * CH / 2] = x.y;
         }
@@ -521,7 +522,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     u64* bars = reinterpret_cast<u64*>(smb + L::BAR_OFF);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int v0 = blockIdx.y * L::VS, vr = 16 * warp + g;  // the slice; this thread's rows vr, vr + 8
+    const int v0 = blockIdx.y * L::VS;  // the slice
+    const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
     const int nchunks = T_pad / CH;
     auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2 (one thread)
         const int b = ci & 1;
@@ -529,8 +531,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
         bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CH * D, L::WQ_BYTES, bars + b);
         bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CH * D, L::WQ_BYTES, bars + b);
-        bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS,
-                  L::U_BYTES, bars + b);
+        const float* u_slice = u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS;
+        bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
         bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
     };
 
@@ -583,7 +585,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         for (int j = 0; j < CH / 8; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                P[4 * j + i] = us[(8 * j + 2 * t4 + (i & 1)) * L::VS + vr + 8 * (i >> 1)] - P[4 * j + i];
+                P[4 * j + i] =
+                    us[(8 * j + 2 * t4 + (i & 1)) * L::VS + vr + 8 * (i >> 1)] - P[4 * j + i];
         unsigned Vh[KC][4], Vl[KC][4];
 #pragma unroll
         for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, Vh[s], Vl[s]);
