@@ -124,7 +124,7 @@ class CupyBackend(GpuBackend):
     # -- kernels ---------------------------------------------------------------------------
     def load_module(self, family: str, defines: Sequence[str] = ()) -> Any:
         """`defines` ("-DNAME") build a variant, such as chunk.cu's phase marks for
-        tools/intra_phases.py; it is a module of its own, its functions cached apart. On
+        tools/chunk_phases.py; it is a module of its own, its functions cached apart. On
         compute capability 9.0 the build targets sm_90a, whose warpgroup MMAs the chunk
         walk runs on (NVRTC keeps this first -arch over the sm_90 CuPy appends)."""
         src = kernels_dir() / f"{family}.cu"

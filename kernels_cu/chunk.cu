@@ -16,10 +16,11 @@
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "sm90.cuh"
 
-// tools/intra_phases.py builds this file with -DKDA_INTRA_PHASES: thread 0 of each intra block
-// then adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i), one
-// mark after each block-wide barrier. In every other build the marks are nothing.
-#ifdef KDA_INTRA_PHASES
+// tools/chunk_phases.py builds this file with -DKDA_CHUNK_PHASES: thread 0 of each block then
+// adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i): the intra
+// kernel's 0-7, one after each block-wide barrier, the walk's 8-14 at each chunk's waits and
+// product groups. In every other build the marks are nothing.
+#ifdef KDA_CHUNK_PHASES
 __device__ unsigned long long phase_cycles[16];
 #define PHASES_BEGIN unsigned long long phase_t_ = clock64()
 #define PHASE(i)                                                   \
@@ -556,17 +557,20 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     if (tid == 0) load_next(0);
 
     const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CH>(smb + L::A_OFF);
+    PHASES_BEGIN;
     for (int ci = 0; ci < nchunks; ++ci) {
         const int b = ci & 1, c0 = ci * CH;
         const u64 blk = (u64)ci * H + h;
         mbar_wait(bars + b, (ci >> 1) & 1);  // chunk ci's w, qg, u, gl
         __syncthreads();  // every thread is past chunk ci - 1: its buffers are free
+        PHASE(8);
         if (tid == 0) {
             mbar_expect(bars + 2, L::K_BYTES + L::A_BYTES);
             bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + 2);
             bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + 2);
             if (ci + 1 < nchunks) load_next(ci + 1);
         }
+        PHASE(9);
 
         float P[CH / 2], O[CH / 2];
 #pragma unroll
@@ -578,6 +582,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(P), wgmma_pin(O);
+        PHASE(10);
 
         // v^T = u^T - W^T, its fragments; the decay on S
         const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
@@ -596,7 +601,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
             const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
             S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
         }
+        PHASE(11);
         mbar_wait(bars + 2, ci & 1);  // kd, Aqk (ci)
+        PHASE(12);
         wgmma_pin(S), wgmma_pin(O);
         wgmma_fence();
         wg3<D, CH>(S, Vh, Vl, kdesc);
@@ -604,6 +611,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S), wgmma_pin(O);
+        PHASE(13);
 #pragma unroll
         for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
         // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
@@ -614,6 +622,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                 const int t = c0 + 8 * j + 2 * t4 + (i & 1);
                 if (t < T) core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i];
             }
+        PHASE(14);
     }
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {

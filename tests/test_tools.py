@@ -20,7 +20,7 @@ def _tool(name: str):
     return mod
 
 
-sass_mix, ab_trees, intra_phases = _tool("sass_mix"), _tool("ab_trees"), _tool("intra_phases")
+sass_mix, ab_trees, chunk_phases = _tool("sass_mix"), _tool("ab_trees"), _tool("chunk_phases")
 
 COLS = ('"Address","Source","Warp Stall Sampling (All Samples)",'
         '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed"')
@@ -107,17 +107,22 @@ def test_run_refuses_what_is_not_a_tree(tmp_path, capsys):
     assert "not a kdarun tree" in capsys.readouterr().err
 
 
-def test_intra_phases_marks_every_phase_of_the_kernel(tmp_path):
-    """chunk.cu marks each phase the tool names, and its marked build compiles (where nvcc is
-    on PATH, as in CI)."""
+def test_chunk_phases_marks_every_phase_of_both_kernels(tmp_path):
+    """chunk.cu marks each phase the tool names, the intra kernel's then the walk's, and its
+    marked build compiles (where nvcc is on PATH, as in CI)."""
     from kdarun.backend import kernels_dir
     src = (kernels_dir() / "chunk.cu").read_text()
-    marks = set(re.findall(r"PHASE\((\d)\);", src))
-    marks |= {m for pair in re.findall(r"PHASE\(r == 0 \? (\d) : (\d)\)", src) for m in pair}
-    assert sorted(int(m) for m in marks) == list(range(len(intra_phases.PHASES)))
+    walk = src.index("// ---- walk:")
+    marks = lambda text: {int(m) for m in re.findall(r"PHASE\((\d+)\);", text)}  # noqa: E731
+    intra = marks(src[:walk])
+    intra |= {int(m) for pair in re.findall(r"PHASE\(r == 0 \? (\d) : (\d)\)", src) for m in pair}
+    assert sorted(intra) == list(range(len(chunk_phases.INTRA_PHASES)))
+    first = chunk_phases.WALK_FIRST
+    assert sorted(marks(src[walk:])) == list(range(first, first + len(chunk_phases.WALK_PHASES)))
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not on PATH")
-    subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", intra_phases.DEFINE, "-I",
-                    str(kernels_dir()), "-cubin", "-o", str(tmp_path / "marked.cubin"),
-                    str(kernels_dir() / "chunk.cu")], check=True, capture_output=True)
+    for arch in ("sm_90", "sm_90a"):
+        subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", chunk_phases.DEFINE, "-I",
+                        str(kernels_dir()), "-cubin", "-o", str(tmp_path / "marked.cubin"),
+                        str(kernels_dir() / "chunk.cu")], check=True, capture_output=True)
