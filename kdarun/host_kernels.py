@@ -240,6 +240,14 @@ def from_walk_image_mn(image: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def swizzle_u(x: np.ndarray) -> np.ndarray:
+    """u's slices [..., C, WALK_ROWS] to and from their place in chunk_u (`u_word` in chunk.cu:
+    v's octet XORed with t's pair index mod 4); the permutation is its own inverse."""
+    t = np.arange(x.shape[-2])[:, None]
+    cols = np.arange(x.shape[-1])[None, :] ^ (8 * ((t >> 1) & 3))
+    return np.take_along_axis(x, np.broadcast_to(cols, x.shape), axis=-1)
+
+
 def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
     """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
     (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
@@ -275,7 +283,7 @@ def _kda_chunk_intra(D):
             for i in range(CHUNK):  # forward substitution through I + diag(b) A
                 X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
                                                                  X[:, :i])
-            blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci] = (  # the walk's slices
+            blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci] = swizzle_u(  # the walk's slices
                 X[:, :, :D].reshape(H, CHUNK, D // WALK_ROWS, WALK_ROWS).transpose(0, 2, 1, 3))
             blocks(w, (CHUNK * D,))[ci] = to_walk_image_mn(X[:, :, D:])
             blocks(aqk, (CHUNK * CHUNK,))[ci] = to_walk_image(split_words(M))
@@ -294,7 +302,8 @@ def _kda_chunk_inter(D):
             Qg = join_words(from_walk_image(blocks(qg, (CHUNK * D,))[ci], CHUNK))
             Wk = from_walk_image_mn(blocks(w, (CHUNK * D,))[ci], CHUNK)
             Kd = join_words(from_walk_image(blocks(kd, (D * CHUNK,))[ci], D)).transpose(0, 2, 1)
-            U = blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci].transpose(0, 2, 1, 3)
+            U = swizzle_u(blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci])
+            U = U.transpose(0, 2, 1, 3)
             U = U.reshape(H, CHUNK, D)  # [H, C, Dv]
             M = join_words(from_walk_image(blocks(aqk, (CHUNK * CHUNK,))[ci], CHUNK))
             Wm = U - Wk @ St  # [H, C, Dv]

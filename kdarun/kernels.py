@@ -32,7 +32,7 @@ DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
 CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries (Walk::VS in chunk.cu)
-WALK_THREADS = 128  # kda_chunk_inter's block: one warpgroup (Walk::BLOCK in chunk.cu)
+WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp (Walk::BLOCK)
 i32, f32 = np.int32, np.float32
 
 
@@ -50,8 +50,8 @@ def intra_smem_bytes() -> int:
 def walk_smem_bytes(d: int) -> int:
     """Shared memory of kda_chunk_inter_d{d} (`Walk<D>` in chunk.cu), in bytes: w and qg
     [C, d] as split words, two buffers each; kd^T [d, C] and Aqk [C, C] as split words; u's
-    slice [C, WALK_ROWS] fp32 and gl [d] fp32, two buffers each; three 8-byte mbarriers."""
-    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + 2 * CHUNK * WALK_ROWS + 2 * d) + 24
+    slice [C, WALK_ROWS] fp32 and gl [d] fp32, two buffers each; four 8-byte mbarriers."""
+    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + 2 * CHUNK * WALK_ROWS + 2 * d) + 32
 
 
 def gemv_smem_bytes() -> int:

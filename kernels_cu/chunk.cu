@@ -18,7 +18,7 @@
 
 // tools/chunk_phases.py builds this file with -DKDA_CHUNK_PHASES: thread 0 of each block then
 // adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i): the intra
-// kernel's 0-7, one after each block-wide barrier, the walk's 8-14 at each chunk's waits and
+// kernel's 0-7, one after each block-wide barrier, the walk's 8-13 at each chunk's waits and
 // product groups. In every other build the marks are nothing.
 #ifdef KDA_CHUNK_PHASES
 __device__ unsigned long long phase_cycles[16];
@@ -105,6 +105,12 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
 #define WALK_VS 64  // state rows (v) a walk block carries: a warpgroup MMA's m
 __host__ __device__ constexpr int img_word(int N, int n, int p) {
     return 4 * N * (p >> 2) + 4 * n + (p & 3);
+}
+// Where u[t][v] sits in its slice: a walk thread reads tokens t, t + 2, t + 4, t + 6 in one load
+// (lanes four apart), which share banks in [C][WALK_VS] rows; v's octet is XORed with t's pair
+// index, so the four take distinct banks. The intra kernel's stores of a row stay 256 bytes.
+__host__ __device__ constexpr int u_word(int t, int v) {
+    return WALK_VS * t + (v ^ (8 * ((t >> 1) & 3)));
 }
 // w is the one operand whose image is MN-major: the solve produces it a column (dimension) at a
 // time, and 8 tokens of one are a 16-byte row of a core matrix (8 dimensions x 8 tokens), so a
@@ -375,7 +381,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     __syncthreads();  // A is read: C goes there
     PHASE(5);
     const int col = tid, dc = col < D ? col : col - D;
-    float* u_col = u_out + blk + (dc / WALK_VS) * CH * WALK_VS + dc % WALK_VS;  // u's slices
+    float* u_slice = u_out + blk + (dc / WALK_VS) * CH * WALK_VS;  // u's slices
     unsigned* w_img = reinterpret_cast<unsigned*>(w_out) + blk;
     for (int bi = 0; bi < CH / SB; ++bi) {
         const int r0 = bi * SB;
@@ -424,7 +430,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
             if (col < D) {
 #pragma unroll
-                for (int r = 0; r < SB; ++r) u_col[(r0 + r) * WALK_VS] = x[r];
+                for (int r = 0; r < SB; ++r) u_slice[u_word(r0 + r, dc % WALK_VS)] = x[r];
             }
 #pragma unroll
             for (int q4 = 0; q4 < SB / 8; ++q4) {  // 8 tokens: a 16-byte store of each plane
@@ -464,18 +470,20 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 // intra kernel's. The operands arrive by bulk copies, one a (chunk, head) block, since the
 // intra kernel writes them as this kernel's shared-memory image: 128 KB a chunk through
 // cp.async from four warps ran at ~15 bytes a cycle an SM, the chain's products waiting on
-// their issue. w, qg, u and gl of the next chunk land in a second buffer while this one's
-// products run; kd and Aqk, which only the second pair reads, land during the first.
+// their issue. A fifth warp issues the copies, so the warpgroup never waits on an issue: w, qg,
+// u and gl of chunk ci + 1 land in a second buffer, and kd and Aqk of chunk ci (which only the
+// second pair reads) in their one buffer, from the moment chunk ci - 1 is done with them. O^T's
+// terms are committed as groups of their own behind W^T and S^T, which are waited for alone.
 template <int D>
 struct Walk {
     static constexpr int VS = WALK_VS;  // state rows (v) a block: the warpgroup's m64
-    static constexpr int BLOCK = WARPGROUP;
+    static constexpr int BLOCK = WARPGROUP + 32;  // the MMAs' warpgroup, then the copies' warp
     static constexpr int WQ_BYTES = CH * D * 4, K_BYTES = D * CH * 4, A_BYTES = CH * CH * 4;
     static constexpr int U_BYTES = CH * VS * 4, GL_BYTES = D * 4;
     static constexpr int W_OFF = 0, Q_OFF = 2 * WQ_BYTES, K_OFF = 4 * WQ_BYTES;  // w, qg: 2 buffers
     static constexpr int A_OFF = K_OFF + K_BYTES, U_OFF = A_OFF + A_BYTES;      // kd^T, Aqk
     static constexpr int GL_OFF = U_OFF + 2 * U_BYTES, BAR_OFF = GL_OFF + 2 * GL_BYTES;  // u, gl: 2
-    static constexpr int BYTES = BAR_OFF + 3 * 8;  // mbarriers: buffers 0, 1; kd and Aqk
+    static constexpr int BYTES = BAR_OFF + 4 * 8;  // mbarriers: buffers 0, 1; kd, Aqk; consumed
 };
 
 // The hi plane's descriptor of a staged operand of N rows (img_word's layout).
@@ -526,7 +534,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     const int v0 = blockIdx.y * L::VS;  // the slice
     const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
     const int nchunks = T_pad / CH;
-    auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2 (one thread)
+    auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2
         const int b = ci & 1;
         const u64 blk = (u64)ci * H + h;
         mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
@@ -536,6 +544,35 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
         bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
     };
+
+    if (tid == 0) {
+        for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
+        mbar_init(bars + 3, WARPGROUP);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == WARPGROUP / 32) {
+        // The copies' warp (one lane): kd, Aqk of chunk ci and w, qg, u, gl of chunk ci + 1
+        // go out as soon as the warpgroup is done with chunk ci - 1, so the MMAs never wait
+        // on a copy's issue, and chunk ci's second operands land while its first products run.
+        if (lane == 0) {
+            auto load_kd = [&](int ci) {
+                const u64 blk = (u64)ci * H + h;
+                mbar_expect(bars + 2, L::K_BYTES + L::A_BYTES);
+                bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + 2);
+                bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + 2);
+            };
+            load_next(0);
+            load_kd(0);
+            if (nchunks > 1) load_next(1);
+            for (int ci = 1; ci < nchunks; ++ci) {
+                mbar_wait(bars + 3, (ci - 1) & 1);  // chunk ci - 1's buffers are read
+                load_kd(ci);
+                if (ci + 1 < nchunks) load_next(ci + 1);
+            }
+        }
+        return;
+    }
 
     // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): tile j of the m64nD accumulator
     float S[D / 2];
@@ -549,28 +586,13 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     unsigned Sh[KD][4], Sl[KD][4];
 #pragma unroll
     for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
-    if (tid == 0) {
-        for (int i = 0; i < 3; ++i) mbar_init(bars + i);
-        mbar_init_fence();
-    }
-    __syncthreads();
-    if (tid == 0) load_next(0);
 
     const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CH>(smb + L::A_OFF);
     PHASES_BEGIN;
     for (int ci = 0; ci < nchunks; ++ci) {
         const int b = ci & 1, c0 = ci * CH;
-        const u64 blk = (u64)ci * H + h;
         mbar_wait(bars + b, (ci >> 1) & 1);  // chunk ci's w, qg, u, gl
-        __syncthreads();  // every thread is past chunk ci - 1: its buffers are free
         PHASE(8);
-        if (tid == 0) {
-            mbar_expect(bars + 2, L::K_BYTES + L::A_BYTES);
-            bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + 2);
-            bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + 2);
-            if (ci + 1 < nchunks) load_next(ci + 1);
-        }
-        PHASE(9);
 
         float P[CH / 2], O[CH / 2];
 #pragma unroll
@@ -578,11 +600,12 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
         wgmma_fence();
         wg3<CH, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
+        wgmma_commit();
         wg3<CH, D>(O, Sh, Sl, operand_desc<CH>(smb + L::Q_OFF + b * L::WQ_BYTES));
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(P), wgmma_pin(O);
-        PHASE(10);
+        wgmma_wait<1>();  // W^T is in; O^T's first term runs on under what follows
+        wgmma_pin(P);
+        PHASE(9);
 
         // v^T = u^T - W^T, its fragments; the decay on S
         const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
@@ -591,7 +614,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 P[4 * j + i] =
-                    us[(8 * j + 2 * t4 + (i & 1)) * L::VS + vr + 8 * (i >> 1)] - P[4 * j + i];
+                    us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
         unsigned Vh[KC][4], Vl[KC][4];
 #pragma unroll
         for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, Vh[s], Vl[s]);
@@ -601,19 +624,23 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
             const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
             S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
         }
-        PHASE(11);
+        PHASE(10);
         mbar_wait(bars + 2, ci & 1);  // kd, Aqk (ci)
-        PHASE(12);
+        PHASE(11);
         wgmma_pin(S), wgmma_pin(O);
         wgmma_fence();
         wg3<D, CH>(S, Vh, Vl, kdesc);
+        wgmma_commit();
         wg3<CH, CH>(O, Vh, Vl, adesc);
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(S), wgmma_pin(O);
-        PHASE(13);
+        wgmma_wait<1>();  // S^T is in; O^T's second term runs on under S^T's fragments
+        wgmma_pin(S);
+        PHASE(12);
 #pragma unroll
         for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
+        wgmma_wait<0>();
+        wgmma_pin(O);
+        mbar_arrive(bars + 3);  // this thread is done with chunk ci's shared memory
         // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
 #pragma unroll
         for (int j = 0; j < CH / 8; ++j)
@@ -622,7 +649,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                 const int t = c0 + 8 * j + 2 * t4 + (i & 1);
                 if (t < T) core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i];
             }
-        PHASE(14);
+        PHASE(13);
     }
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {

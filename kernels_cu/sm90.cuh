@@ -27,10 +27,15 @@ __device__ __forceinline__ u64 wgmma_desc(const void* p, unsigned lbo, unsigned 
     return (u64)((a & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 
-// An mbarrier that completes a phase when its one arrival (mbar_expect) and the bytes it
-// announced (the bulk copies that name it) are in; waiters spin on the phase's parity.
-__device__ __forceinline__ void mbar_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+// An mbarrier that completes a phase when its `count` arrivals (mbar_expect or mbar_arrive) and
+// the bytes announced (by the bulk copies that name it) are in; waiters spin on the phase's
+// parity.
+__device__ __forceinline__ void mbar_init(u64* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

@@ -32,6 +32,8 @@ int main() {
         for (int d = 0; d < 128; ++d) printf("park128_%d_%d %d\n", t, d, park_word<128>(t, d));
     for (int t = 0; t < CH; ++t)
         for (int d = 0; d < 64; ++d) printf("park64_%d_%d %d\n", t, d, park_word<64>(t, d));
+    for (int t = 0; t < CH; ++t)
+        for (int v = 0; v < WALK_VS; ++v) printf("u_%d_%d %d\n", t, v, u_word(t, v));
 }
 """
 
@@ -109,6 +111,18 @@ def test_w_image_matches(chunk_layouts):
             assert halves[at + CHUNK * 128] == lo[t, d].view(np.uint16)  # a plane on
     assert np.array_equal(from_walk_image_mn(image, CHUNK),
                           hi.astype(np.float32) + lo.astype(np.float32))
+
+
+def test_u_slices_match(chunk_layouts):
+    """The host backend places u[t][v] of a slice where the CUDA solve writes it and the walk
+    reads it (u_word), one word each."""
+    from kdarun.host_kernels import swizzle_u
+    x = np.arange(CHUNK * kernels.WALK_ROWS, dtype=np.float32).reshape(CHUNK, kernels.WALK_ROWS)
+    placed = swizzle_u(x).ravel()
+    for t in range(CHUNK):
+        for v in range(kernels.WALK_ROWS):
+            assert placed[chunk_layouts[f"u_{t}_{v}"]] == x[t, v], (t, v)
+    assert np.array_equal(swizzle_u(swizzle_u(x)), x)
 
 
 def test_decode_split_matches():

@@ -6,7 +6,7 @@
 chunk.cu carries marks, built only with -DKDA_CHUNK_PHASES: thread 0 of each block adds the
 clock64() cycles since its last mark into a __device__ array at PHASE(i). The intra kernel
 marks 0-7, one after each block-wide barrier (summed over both passes and the solve's
-blocks); the walk marks 8-14 at each chunk's waits and product groups (summed over the
+blocks); the walk marks 8-13 at each chunk's waits and product groups (summed over the
 chunks). The layer runs one prefill on random weights, then the marked build replaces the
 chunk module and each kernel runs once more. It prints each kernel's time with and without
 the marks, and each phase's cycles (an intra block's; a walk block's chunk) and share. Two
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 INTRA_PHASES = ("loads + cumulative sum", "qg / kd / k exp(G) element-wise", "scaled rows",
                 "A / Aqk products", "Aqk out (split words)", "A split, solve set-up",
                 "solve: right-hand sides + C", "solve: block, stores")
-WALK_PHASES = ("wait for w, qg, u, gl", "bulk copies issued", "W^T, O^T products",
-               "v^T, its fragments, the decay", "wait for kd^T, Aqk", "S^T, O^T products",
-               "S^T's fragments, O^T stored")
+WALK_PHASES = ("wait for w, qg, u, gl", "W^T product (O^T's 1st term queued)",
+               "v^T, its fragments, the decay", "wait for kd^T, Aqk",
+               "S^T product (O^T's 2nd term queued)", "S^T's fragments, O^T stored")
 WALK_FIRST = len(INTRA_PHASES)  # the walk's first mark
 
 DEFINE = "-DKDA_CHUNK_PHASES"  # the build with the marks
