@@ -603,7 +603,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         wgmma_commit();
         wg3<CH, D>(O, Sh, Sl, operand_desc<CH>(smb + L::Q_OFF + b * L::WQ_BYTES));
         wgmma_commit();
-        wgmma_wait<1>();  // W^T is in; O^T's first term runs on under what follows
+        wgmma_wait<1>();  // W^T is in; O^T's first term may still run
         wgmma_pin(P);
         PHASE(9);
 
@@ -633,7 +633,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         wgmma_commit();
         wg3<CH, CH>(O, Vh, Vl, adesc);
         wgmma_commit();
-        wgmma_wait<1>();  // S^T is in; O^T's second term runs on under S^T's fragments
+        wgmma_wait<1>();  // S^T is in; O^T's second term may still run
         wgmma_pin(S);
         PHASE(12);
 #pragma unroll
