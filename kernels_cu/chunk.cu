@@ -483,7 +483,9 @@ struct Walk {
     static constexpr int W_OFF = 0, Q_OFF = 2 * WQ_BYTES, K_OFF = 4 * WQ_BYTES;  // w, qg: 2 buffers
     static constexpr int A_OFF = K_OFF + K_BYTES, U_OFF = A_OFF + A_BYTES;      // kd^T, Aqk
     static constexpr int GL_OFF = U_OFF + 2 * U_BYTES, BAR_OFF = GL_OFF + 2 * GL_BYTES;  // u, gl: 2
-    static constexpr int BYTES = BAR_OFF + 4 * 8;  // mbarriers: buffers 0, 1; kd, Aqk; consumed
+    // mbarriers: w, qg, u, gl landed in buffer 0 or 1; kd, Aqk landed; the warpgroup done with
+    // a chunk's shared memory
+    static constexpr int KD_BAR = 2, DONE_BAR = 3, BYTES = BAR_OFF + (DONE_BAR + 1) * 8;
 };
 
 // The hi plane's descriptor of a staged operand of N rows (img_word's layout).
@@ -534,20 +536,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     const int v0 = blockIdx.y * L::VS;  // the slice
     const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
     const int nchunks = T_pad / CH;
-    auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2
-        const int b = ci & 1;
-        const u64 blk = (u64)ci * H + h;
-        mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
-        bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CH * D, L::WQ_BYTES, bars + b);
-        bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CH * D, L::WQ_BYTES, bars + b);
-        const float* u_slice = u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS;
-        bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
-        bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
-    };
-
     if (tid == 0) {
-        for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
-        mbar_init(bars + 3, WARPGROUP);
+        for (int i = 0; i < L::DONE_BAR; ++i) mbar_init(bars + i, 1);
+        mbar_init(bars + L::DONE_BAR, WARPGROUP);
         mbar_init_fence();
     }
     __syncthreads();
@@ -556,17 +547,29 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         // go out as soon as the warpgroup is done with chunk ci - 1, so the MMAs never wait
         // on a copy's issue, and chunk ci's second operands land while its first products run.
         if (lane == 0) {
-            auto load_kd = [&](int ci) {
+            auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2
+                const int b = ci & 1;
                 const u64 blk = (u64)ci * H + h;
-                mbar_expect(bars + 2, L::K_BYTES + L::A_BYTES);
-                bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + 2);
-                bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + 2);
+                mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
+                bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CH * D, L::WQ_BYTES,
+                          bars + b);
+                bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CH * D, L::WQ_BYTES,
+                          bars + b);
+                const float* u_slice = u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS;
+                bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
+                bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
+            };
+            auto load_kd = [&](int ci) {  // kd, Aqk of chunk ci
+                const u64 blk = (u64)ci * H + h;
+                mbar_expect(bars + L::KD_BAR, L::K_BYTES + L::A_BYTES);
+                bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + L::KD_BAR);
+                bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + L::KD_BAR);
             };
             load_next(0);
             load_kd(0);
             if (nchunks > 1) load_next(1);
             for (int ci = 1; ci < nchunks; ++ci) {
-                mbar_wait(bars + 3, (ci - 1) & 1);  // chunk ci - 1's buffers are read
+                mbar_wait(bars + L::DONE_BAR, (ci - 1) & 1);  // chunk ci - 1's buffers are read
                 load_kd(ci);
                 if (ci + 1 < nchunks) load_next(ci + 1);
             }
@@ -625,7 +628,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
             S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
         }
         PHASE(10);
-        mbar_wait(bars + 2, ci & 1);  // kd, Aqk (ci)
+        mbar_wait(bars + L::KD_BAR, ci & 1);  // kd, Aqk (ci)
         PHASE(11);
         wgmma_pin(S), wgmma_pin(O);
         wgmma_fence();
@@ -640,7 +643,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
         wgmma_wait<0>();
         wgmma_pin(O);
-        mbar_arrive(bars + 3);  // this thread is done with chunk ci's shared memory
+        mbar_arrive(bars + L::DONE_BAR);  // this thread is done with chunk ci's shared memory
         // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
 #pragma unroll
         for (int j = 0; j < CH / 8; ++j)
