@@ -303,8 +303,7 @@ def _kda_chunk_inter(D):
             Wk = from_walk_image_mn(blocks(w, (CHUNK * D,))[ci], CHUNK)
             Kd = join_words(from_walk_image(blocks(kd, (D * CHUNK,))[ci], D)).transpose(0, 2, 1)
             U = swizzle_u(blocks(u, (D // WALK_ROWS, CHUNK, WALK_ROWS), F32)[ci])
-            U = U.transpose(0, 2, 1, 3)
-            U = U.reshape(H, CHUNK, D)  # [H, C, Dv]
+            U = U.transpose(0, 2, 1, 3).reshape(H, CHUNK, D)  # [H, C, Dv]
             M = join_words(from_walk_image(blocks(aqk, (CHUNK * CHUNK,))[ci], CHUNK))
             Wm = U - Wk @ St  # [H, C, Dv]
             o = Qg @ St + M @ Wm
