@@ -1,6 +1,8 @@
 """kdarun: one Kimi Delta Attention block on NVIDIA GPUs through hand-written CUDA kernels."""
 
-from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig, open_backend
+from .backend import DevicePtr, GpuBackend, LaunchConfig
+from .backends import open_backend
+from .errors import KdaError
 from .checkpoint import Checkpoint
 from .config import CHUNK, Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels

@@ -1,4 +1,4 @@
-"""The GpuBackend contract every other module talks to, and `open_backend`.
+"""The GpuBackend contract every other module talks to (`backends.open_backend` picks one).
 
 A backend owns device memory (addressed by `DevicePtr`, a byte address), streams (plain
 `int` handles, a raw `cudaStream_t` on CUDA), events, copies, and kernel launch. Kernels
@@ -9,17 +9,13 @@ backend runs a NumPy implementation of the same kernel with the same arguments.
 from __future__ import annotations
 
 import abc
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-
-class KdaError(Exception):
-    """Every error kdarun raises for bad input or bad use; the message says what, where,
-    expected vs actual."""
+from .errors import KdaError
 
 
 class DevicePtr(int):
@@ -162,32 +158,3 @@ class GpuBackend(abc.ABC):
         self.copy_d2h(out, ptr, stream)
         self.synchronize(stream)
         return out
-
-
-def open_backend(kind: str = "auto", *, announce: bool = True) -> GpuBackend:
-    """`"cuda"`, `"host"`, or `"auto"` (CUDA when `cupy.cuda.is_available()`, else host)."""
-    if kind not in ("auto", "cuda", "host"):
-        raise KdaError(f"backend: expected 'auto', 'cuda' or 'host', got {kind!r}")
-    if kind == "auto":
-        kind = "cuda" if cuda_available() else "host"
-        if announce:
-            print(f"kdarun: backend auto -> {kind}", file=sys.stderr)
-    if kind == "cuda":
-        if not cuda_available():
-            raise KdaError("backend 'cuda': no usable CUDA device (CuPy missing or "
-                           "cupy.cuda.is_available() is False)")
-        from .cuda_backend import CupyBackend
-        return CupyBackend()
-    from .host_backend import HostBackend
-    return HostBackend()
-
-
-def cuda_available() -> bool:
-    try:
-        import cupy
-    except Exception:
-        return False
-    try:
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False

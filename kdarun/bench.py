@@ -23,7 +23,8 @@ from .loader import release_bound
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
 from .weights import Glm5NextKdaWeights
-from .workspace import BF16, F32, Glm5NextKdaWorkspace
+from .dtypes import BF16, F32
+from .workspace import Glm5NextKdaWorkspace
 
 DECODE_LAYERS = 4
 FLA_CACHE_TOKENS = 16

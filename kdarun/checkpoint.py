@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from safetensors import safe_open
 
-from .backend import KdaError
+from .errors import KdaError
 from .config import Glm5NextKdaConfig
 
 PREFIX = "model.layers.{i}.self_attn."

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from . import synthetic
-from .backend import KdaError, open_backend
+from .backends import open_backend
+from .errors import KdaError
 from .checkpoint import TENSORS, Checkpoint, tensor_name
 from .loader import load_stack
 from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backend import KdaError
+from .errors import KdaError
 
 CHUNK = 64  # C: the chunk length of the WY prefill
 MAX_DECODE_ROWS = 8  # decode_k's K at most: rows one GEMV launch and one decode walk serve

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import cupy as cp
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig, kernels_dir
+from .backend import DevicePtr, GpuBackend, LaunchConfig, kernels_dir
+from .errors import KdaError
 
 _H2D, _D2H, _D2D = 1, 2, 3
 _CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP = 14, 68, 99

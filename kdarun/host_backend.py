@@ -11,10 +11,11 @@ import bisect
 import time
 from typing import Any, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig
+from .backend import DevicePtr, GpuBackend, LaunchConfig
+from .dtypes import BF16, F32
+from .errors import KdaError
 
 _ALIGN = 256  # cudaMalloc's alignment, so views of any dtype are aligned as on a device
 
@@ -133,10 +134,9 @@ class HostBackend(GpuBackend):
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:
-        bf16 = ml_dtypes.bfloat16
-        av, cv = self.rows(a, m, lda, k, bf16), self.rows(c, m, ldc, n, bf16)
-        wv = self.view(w, (n, k), bf16)
-        cv[...] = (av.astype(np.float32) @ wv.astype(np.float32).T).astype(bf16)
+        av, cv = self.rows(a, m, lda, k, BF16), self.rows(c, m, ldc, n, BF16)
+        wv = self.view(w, (n, k), BF16)
+        cv[...] = (av.astype(F32) @ wv.astype(F32).T).astype(BF16)
 
 
 class _HostGraph:

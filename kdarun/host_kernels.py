@@ -7,19 +7,19 @@ even, as `__float2bfloat16_rn` does, so host and CUDA agree to fp32 summation-or
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from .config import CHUNK
+from .dtypes import BF16, F32
+
+f32 = np.float32  # fp32 scalars, so NumPy keeps fp32 arithmetic
 from .kernels import WALK_ROWS
 
-BF = ml_dtypes.bfloat16
-F32 = np.float32
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+        return (f32(1) / (f32(1) + np.exp(-x))).astype(F32)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -29,17 +29,17 @@ def _silu(x: np.ndarray) -> np.ndarray:
 def _rsqrt_norm(x: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(sum(x^2) + eps) over the last axis, fp32."""
     ss = (x * x).sum(-1, keepdims=True, dtype=F32)
-    return (x * (F32(1) / np.sqrt(ss + F32(eps)))).astype(F32)
+    return (x * (f32(1) / np.sqrt(ss + f32(eps)))).astype(F32)
 
 
 # -- gemv ------------------------------------------------------------------------------------
 def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
     # ks: how the CUDA blocks share K among warps; one host pass needs none
-    W = gpu.view(w, (n, k), BF).astype(F32)
-    X, Y = gpu.rows(x, m, ldx, k, BF), gpu.rows(y, m, ldy, n, BF)
+    W = gpu.view(w, (n, k), BF16).astype(F32)
+    X, Y = gpu.rows(x, m, ldx, k, BF16), gpu.rows(y, m, ldy, n, BF16)
     for r in range(int(m)):
         xr = np.array(X[r], dtype=F32)  # a fresh contiguous row: the same bits for any m
-        Y[r] = (W @ xr).astype(BF)
+        Y[r] = (W @ xr).astype(BF16)
 
 
 def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
@@ -60,12 +60,12 @@ def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_
 
 # -- qkv_parts (prefill_conv_qkv and front_end_gemv pieces) -----------------------------------
 def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv):
-    gpu.view(qkv_parts, (3, t, qkv), BF)[...] = \
-        gpu.view(qkv_proj, (t, 3, qkv), BF).transpose(1, 0, 2)
+    gpu.view(qkv_parts, (3, t, qkv), BF16)[...] = \
+        gpu.view(qkv_proj, (t, 3, qkv), BF16).transpose(1, 0, 2)
 
 
 def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
-    X = gpu.view(conv_out, (t, 3 * qkv), BF).astype(F32)
+    X = gpu.view(conv_out, (t, 3 * qkv), BF16).astype(F32)
     for i, p in enumerate((q, k, v)):
         dst = gpu.view(p, (t_pad, qkv), F32)
         dst[:t] = X[:, i * qkv:(i + 1) * qkv]
@@ -75,11 +75,11 @@ def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
 # -- gate ------------------------------------------------------------------------------------
 def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, H, D,
                   lower_bound, bounded):
-    x = gpu.view(g_raw, (t, H * D), BF).astype(F32) + gpu.view(dt_bias, H * D, F32)
+    x = gpu.view(g_raw, (t, H * D), BF16).astype(F32) + gpu.view(dt_bias, H * D, F32)
     x = x.reshape(t, H, D)
     a = np.exp(gpu.view(a_log, H, F32))[None, :, None]
     if bounded:
-        g = F32(lower_bound) * _sigmoid((a * x).astype(F32))
+        g = f32(lower_bound) * _sigmoid((a * x).astype(F32))
     else:
         with np.errstate(over="ignore"):
             sp = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(F32)
@@ -87,7 +87,7 @@ def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, 
     G = gpu.view(gate, (t_pad, H, D), F32)
     G[:t], G[t:] = g, 0
     B = gpu.view(beta, (t_pad, H), F32)
-    B[:t], B[t:] = _sigmoid(gpu.rows(b_raw, t, ldb, H, BF).astype(F32)), 0
+    B[:t], B[t:] = _sigmoid(gpu.rows(b_raw, t, ldb, H, BF16).astype(F32)), 0
 
 
 # -- conv ------------------------------------------------------------------------------------
@@ -100,20 +100,20 @@ def _conv_taps(w: np.ndarray, xs: np.ndarray, t: int) -> np.ndarray:
 
 
 def _conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
-    S = gpu.view(conv_state, (W - 1, conv_dim), BF)
-    x = gpu.view(x_row, conv_dim, BF)
+    S = gpu.view(conv_state, (W - 1, conv_dim), BF16)
+    x = gpu.view(x_row, conv_dim, BF16)
     xs = np.concatenate([S, x[None]]).astype(F32)
     y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, 1)[0])
     y[:2 * qkv] = _rsqrt_norm(y[:2 * qkv].reshape(-1, D), 1e-6).reshape(-1)
-    gpu.view(out_row, conv_dim, BF)[...] = y.astype(BF)
+    gpu.view(out_row, conv_dim, BF16)[...] = y.astype(BF16)
     S[...] = np.concatenate([S[1:], x[None]])
 
 
 def _conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
-    xs = np.concatenate([gpu.view(conv_state, (W - 1, conv_dim), BF),
-                         gpu.view(x, (t, conv_dim), BF)]).astype(F32)
+    xs = np.concatenate([gpu.view(conv_state, (W - 1, conv_dim), BF16),
+                         gpu.view(x, (t, conv_dim), BF16)]).astype(F32)
     y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, t))
-    gpu.view(out, (t, conv_dim), BF)[...] = y.astype(BF)
+    gpu.view(out, (t, conv_dim), BF16)[...] = y.astype(BF16)
 
 
 def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, T, T_pad,
@@ -126,13 +126,13 @@ def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, 
 
 
 def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
-    S = gpu.view(conv_state, (W - 1, conv_dim), BF)
-    S[...] = np.concatenate([S, gpu.view(x, (t, conv_dim), BF)])[-(W - 1):]
+    S = gpu.view(conv_state, (W - 1, conv_dim), BF16)
+    S[...] = np.concatenate([S, gpu.view(x, (t, conv_dim), BF16)])[-(W - 1):]
 
 
 def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
-    X = gpu.rows(x, t, ld, nvec * D, BF)
-    X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF)
+    X = gpu.rows(x, t, ld, nvec * D, BF16)
+    X[...] = _rsqrt_norm(X.astype(F32).reshape(t, nvec, D), 1e-6).reshape(t, nvec * D).astype(BF16)
 
 
 # -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
@@ -143,20 +143,20 @@ def _kda_decode_rows(D):
         for r in range(nrows):
             xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
             _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)
-            row = gpu.view(cr, 3 * qkv, BF).astype(F32)
+            row = gpu.view(cr, 3 * qkv, BF16).astype(F32)
             q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
             S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
             S *= np.exp(gpu.view(gate + r * qkv * 4, (H, D), F32))[:, None, :]
             resid = v - np.einsum("hvk,hk->hv", S, k)
             S += gpu.view(beta + r * H * 4, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
             core_r = core + r * qkv * 4
-            gpu.view(core_r, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * F32(scale))
+            gpu.view(core_r, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * f32(scale))
             gated_rmsnorm(gpu, core_r, out_gate + r * qkv * 2, o_norm_w, o_norm_out + r * qkv * 2,
                           1, H, D, eps)
             if r < nsnap:
                 gpu.view(snap_rec, (nsnap, H, D, D), F32)[r] = S
-                gpu.view(snap_conv, (nsnap, W - 1, 3 * qkv), BF)[r] = \
-                    gpu.view(conv_state, (W - 1, 3 * qkv), BF)
+                gpu.view(snap_conv, (nsnap, W - 1, 3 * qkv), BF16)[r] = \
+                    gpu.view(conv_state, (W - 1, 3 * qkv), BF16)
     return run
 
 
@@ -167,8 +167,8 @@ def split_words(x: np.ndarray) -> np.ndarray:
     order. The chunk walk's tensor-core products read their operands in this form, laid out
     by `to_walk_image`."""
     x = np.asarray(x, F32)
-    hi = x.astype(BF)
-    lo = (x - hi.astype(F32)).astype(BF)
+    hi = x.astype(BF16)
+    lo = (x - hi.astype(F32)).astype(BF16)
     hb, lb = hi.view(np.uint16).astype(np.uint32), lo.view(np.uint16).astype(np.uint32)
     out = np.empty(x.shape, np.uint32)
     out[..., 0::2] = hb[..., 0::2] | hb[..., 1::2] << 16
@@ -217,8 +217,8 @@ def to_walk_image_mn(x: np.ndarray) -> np.ndarray:
     fastest), n-octets adjacent, k-octets 8 N bf16 on."""
     x = np.asarray(x, F32)
     *lead, n, k = x.shape
-    hi = x.astype(BF)
-    lo = (x - hi.astype(F32)).astype(BF)
+    hi = x.astype(BF16)
+    lo = (x - hi.astype(F32)).astype(BF16)
     m = len(lead)
     planes = [np.ascontiguousarray(  # [n/8, n%8, k/8, k%8] -> [k/8, n/8, k%8, n%8]
         p.reshape(*lead, n // 8, 8, k // 8, 8).transpose(*range(m), m + 2, m, m + 3, m + 1))
@@ -234,7 +234,7 @@ def from_walk_image_mn(image: np.ndarray, n: int) -> np.ndarray:
     m = len(lead)
     out = np.zeros((*lead, n, k), F32)
     for plane in (halves[..., :n * k], halves[..., n * k:]):
-        p = plane.view(BF).reshape(*lead, k // 8, n // 8, 8, 8)  # [k/8, n/8, k%8, n%8]
+        p = plane.view(BF16).reshape(*lead, k // 8, n // 8, 8, 8)  # [k/8, n/8, k%8, n%8]
         p = p.transpose(*range(m), m + 1, m + 3, m, m + 2)  # [n/8, n%8, k/8, k%8]
         out += p.reshape(*lead, n, k).astype(F32)
     return out
@@ -252,7 +252,7 @@ def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
     """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
     (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
     x = gpu.view(ptr, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
-    return np.where(valid[None, :, None], x, F32(0))
+    return np.where(valid[None, :, None], x, f32(0))
 
 
 def _kda_chunk_intra(D):
@@ -265,8 +265,8 @@ def _kda_chunk_intra(D):
             rows = slice(c0, c0 + CHUNK)
             valid = np.arange(c0, c0 + CHUNK) < t
             qc, kc, vc, gc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k, v, gate))
-            qc = qc * F32(scale)
-            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[rows].T, F32(0))
+            qc = qc * f32(scale)
+            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[rows].T, f32(0))
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
             g_last = G[:, -1:, :]
             gpu.view(gl, (nc, H, D), F32)[ci] = np.exp(g_last[:, 0])
@@ -308,7 +308,7 @@ def _kda_chunk_inter(D):
             Wm = U - Wk @ St  # [H, C, Dv]
             o = Qg @ St + M @ Wm
             valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t
-            out[rows] = np.where(valid[:, None, None], o.transpose(1, 0, 2), F32(0))
+            out[rows] = np.where(valid[:, None, None], o.transpose(1, 0, 2), f32(0))
             g_last = gpu.view(gl, (nc, H, D), F32)[ci]
             St = (g_last[:, :, None] * St + Kd.transpose(0, 2, 1) @ Wm).astype(F32)
         S[...] = St.transpose(0, 2, 1)
@@ -319,9 +319,9 @@ def _kda_chunk_inter(D):
 def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
     c = gpu.view(core, (t, H, D), F32)
     ms = (c * c).mean(-1, keepdims=True, dtype=F32)
-    n = (c * (F32(1) / np.sqrt(ms + F32(eps))) * gpu.view(w, D, F32)).astype(F32)
-    g = _sigmoid(gpu.view(out_gate, (t, H * D), BF).astype(F32))
-    gpu.view(out, (t, H * D), BF)[...] = (n.reshape(t, H * D) * g).astype(BF)
+    n = (c * (f32(1) / np.sqrt(ms + f32(eps))) * gpu.view(w, D, F32)).astype(F32)
+    g = _sigmoid(gpu.view(out_gate, (t, H * D), BF16).astype(F32))
+    gpu.view(out, (t, H * D), BF16)[...] = (n.reshape(t, H * D) * g).astype(BF16)
 
 
 HOST_KERNELS: dict[str, dict] = {

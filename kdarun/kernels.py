@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError, LaunchConfig
+from .backend import DevicePtr, GpuBackend, LaunchConfig
+from .errors import KdaError
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 if TYPE_CHECKING:

@@ -13,12 +13,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError
+from .backend import DevicePtr, GpuBackend
+from .errors import KdaError
 from .config import MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
-from .workspace import BF16, F32, SPEC, Glm5NextKdaWorkspace
+from .dtypes import BF16, F32
+from .workspace import SPEC, Glm5NextKdaWorkspace
 
 
 @dataclass(frozen=True)

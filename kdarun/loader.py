@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .backend import GpuBackend, KdaError
+from .backend import GpuBackend
+from .errors import KdaError
 from .checkpoint import Checkpoint
 from .config import Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels

@@ -10,16 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import ml_dtypes
 import numpy as np
 
 from . import reference, synthetic
-from .backend import GpuBackend, KdaError
+from .backend import GpuBackend
+from .errors import KdaError
 from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
-from .workspace import BF16
+from .dtypes import BF16
 
-BF = ml_dtypes.bfloat16
 
 
 @dataclass
@@ -50,7 +49,7 @@ class RunResult:
 
 def random_hidden(n: int, hidden: int, seed: int) -> np.ndarray:
     """[n, hidden] bf16 N(0, 1): the scale of an RMS-normalised residual stream."""
-    return np.random.default_rng(seed).standard_normal((n, hidden), dtype=np.float32).astype(BF)
+    return np.random.default_rng(seed).standard_normal((n, hidden), dtype=np.float32).astype(BF16)
 
 
 def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
@@ -75,9 +74,9 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
         raise KdaError(f"{path}: input must be .npy or .safetensors")
     if arr.ndim != 2 or arr.shape[1] != hidden:
         raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
-    if arr.dtype not in (np.dtype(BF), np.float32, np.float16, np.float64):
+    if arr.dtype not in (BF16, np.float32, np.float16, np.float64):
         raise KdaError(f"{path}: hidden states must be a float dtype, got {arr.dtype}")
-    return arr.astype(BF)
+    return arr.astype(BF16)
 
 
 def write_output(path: str | Path, result: RunResult) -> None:
@@ -120,7 +119,7 @@ def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarr
     layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
     if hidden.shape[0] < plan.total:
         raise KdaError(f"run: {plan.total} tokens planned but only {hidden.shape[0]} hidden rows")
-    hidden = np.ascontiguousarray(hidden[:plan.total].astype(BF))
+    hidden = np.ascontiguousarray(hidden[:plan.total].astype(BF16))
     h_dev = gpu.upload(hidden, stream)
     row = cfg.hidden_size * BF16.itemsize
     state = KdaSeqState(gpu, cfg, stream)

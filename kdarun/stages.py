@@ -22,7 +22,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from . import reference
-from .backend import GpuBackend, KdaError
+from .backend import GpuBackend
+from .errors import KdaError
 from .config import Glm5NextKdaConfig
 from .layer import Stage
 from .run import RunPlan, compare

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import GpuBackend, KdaError
+from .backend import GpuBackend
+from .errors import KdaError
 from .config import Glm5NextKdaConfig
-from .workspace import BF16, F32
+from .dtypes import BF16, F32
 
 
 RECURRENT_LAYOUT = "[H, Dv, Dk]"

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
 from .checkpoint import TENSORS, tensor_name
 from .config import Glm5NextKdaConfig
+from .dtypes import BF16
 
-BF16 = ml_dtypes.bfloat16
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=256, num_heads=4, head_dim=64),

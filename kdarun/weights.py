@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import DevicePtr, GpuBackend
 from .config import Glm5NextKdaConfig
-from .workspace import BF16, F32
+from .dtypes import BF16, F32
 
 PACKED_INPUT = ("q_proj.weight", "k_proj.weight", "v_proj.weight",
                 "f_a_proj.weight", "g_a_proj.weight", "b_proj.weight")

@@ -11,16 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, KdaError
+from .backend import DevicePtr, GpuBackend
+from .errors import KdaError
+from .dtypes import BF16, F32, I32, U32
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-U32 = np.dtype(np.uint32)  # split words: see host_kernels.split_words
-I32 = np.dtype(np.int32)
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
 

@@ -8,7 +8,7 @@ from kdarun import KdaSeqState, prefill_windowed, reference
 from kdarun.loader import load_stack
 from kdarun.run import compare, random_hidden
 from kdarun.state import conv_shape, recurrent_shape
-from kdarun.workspace import BF16
+from kdarun.dtypes import BF16
 
 GATES = ("softplus", "bounded")
 

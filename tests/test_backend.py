@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kdarun import DevicePtr, KdaError, open_backend
-from kdarun.backend import cuda_available
+from kdarun.backends import cuda_available
 
 
 def test_device_ptr_arithmetic():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kdarun import kernels, open_backend, synthetic
-from kdarun.backend import DevicePtr, KdaError
+from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
 

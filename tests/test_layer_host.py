@@ -9,7 +9,7 @@ import pytest
 
 from kdarun import KdaError, reference
 from kdarun.run import random_hidden
-from kdarun.workspace import BF16
+from kdarun.dtypes import BF16
 
 from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env,
                       assert_decode_k_matches_serial, assert_windowed_matches_one, bits, rel)

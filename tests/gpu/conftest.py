@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kdarun import Glm5NextKdaConfig, open_backend, synthetic
-from kdarun.backend import cuda_available
+from kdarun.backends import cuda_available
 
 from ..helpers import Env
 
