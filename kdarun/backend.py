@@ -41,9 +41,10 @@ class Graph(Protocol):
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """A launch's grid and block. A kernel's dynamic shared memory is not here: the kernel
+    source exports it as `<kernel>_smem`, and the CUDA backend launches with that."""
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    shared_mem: int = 0
 
 
 def kernels_dir() -> Path:
@@ -108,8 +109,10 @@ class GpuBackend(abc.ABC):
 
     # -- kernels ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def load_module(self, family: str) -> Any:
-        """Load the kernels of `kernels_cu/<family>.cu` (host: their NumPy twins)."""
+    def load_module(self, family: str, defines: Sequence[str]) -> Any:
+        """Load the kernels of `kernels_cu/<family>.cu` built with `defines` ("-DNAME=value":
+        `kernels.compile_defines()`, plus any a tool adds); the host backend loads their NumPy
+        twins, which take the same arguments and need no build."""
 
     @abc.abstractmethod
     def launch(self, module: Any, kernel: str, cfg: LaunchConfig, args: Sequence[Any],

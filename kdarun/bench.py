@@ -18,7 +18,7 @@ from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .kernels import Glm5NextKdaKernels
-from .layer import Glm5NextKdaLayer
+from .layer import Glm5NextKdaLayer, Step
 from .loader import release_bound
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
@@ -41,9 +41,9 @@ def time_once(gpu: GpuBackend, fn: Callable[[], None], stream: int) -> float:
 
 def medians_in_turn(timers: list[Callable[[], float]], reps: int, warmup: int) -> list[float]:
     """The median of each timer (a callable that times one call and returns ms), the timers
-    called in turn rep by rep: the GPU's clocks and power drift over a run (the large preset's
-    GEMMs moved 8.7-9.8 ms between runs of one tree), and taking turns lays that drift on
-    every timer alike, where timing one after the other would not."""
+    called in turn rep by rep: the GPU's clocks and power drift over a run, and taking turns
+    lays that drift on every timer alike, where timing one after the other would not
+    (docs/perf-log.md, v10)."""
     for _ in range(warmup):
         for timer in timers:
             timer()
@@ -185,44 +185,35 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
 
 def _decode_kernel_times(gpu, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState], ws,
                          h, k: int, stream: int, repeat: int = 5) -> dict[str, float]:
-    """Microseconds of each launch of one decode(_k) call: the launch for every layer of the
-    stack in turn, `repeat` rounds captured in a graph and replayed, so host launch latency
-    stays out of the figure and each launch reads its layer's weights and state from DRAM,
-    as in a real decode (one layer again and again would find them in L2)."""
-    def calls(layer: Glm5NextKdaLayer, st: KdaSeqState) -> dict:
-        c, w, kn = layer.cfg, layer.weights, layer.kernels
-        return {
-            "front_end_gemv": lambda: layer.front_end(gpu, h, k, ws, stream),
-            "decode_rows": lambda: layer._stateful_rows(gpu, 0, k, st, ws, 0, stream),
-            "o_proj_gemv": lambda: kn.dense_gemv_bf16_batchm(stream, w.o_proj, ws.o_norm_out,
-                                                             ws.final_out, c.hidden_size, c.qkv, k),
-        }
-    per_layer = [calls(layer, st) for layer, st in zip(layers, states)]
+    """Microseconds of each step of one decode(_k) call: the step for every layer of the stack
+    in turn, `repeat` rounds captured in a graph and replayed, so host launch latency stays
+    out of the figure and each launch reads its layer's weights and state from DRAM, as in a
+    real decode (one layer again and again would find them in L2)."""
+    per_layer = [layer.decode_steps(h, k, st, ws) for layer, st in zip(layers, states)]
     out = {}
-    for name in per_layer[0]:
-        fns = [c[name] for c in per_layer] * repeat
-        graph = gpu.capture(lambda: [fn() for fn in fns], stream)
-        out[name] = median_ms(gpu, lambda: graph.replay(stream), stream, 20) * 1e3 / len(fns)
+    for i, step in enumerate(per_layer[0]):
+        runs = [steps[i].run for steps in per_layer] * repeat
+        graph = gpu.capture(lambda: [run(stream) for run in runs], stream)
+        out[step.name] = median_ms(gpu, lambda: graph.replay(stream), stream, 20) * 1e3 / len(runs)
     return out
 
 
-def step_medians(gpu: GpuBackend, steps: dict[str, Callable[[int], None]], stream: int,
-                 reps: int, warmup: int) -> dict[str, float]:
+def step_medians(gpu: GpuBackend, steps: list[Step], stream: int, reps: int,
+                 warmup: int) -> dict[str, float]:
     """Median ms of each step of one prefill, the steps run in order with an event between
     each: what a step takes inside the layer (its inputs where the layer leaves them, the
     GPU's clocks as the layer runs it); a rep's steps add up to that rep's layer. Timed alone,
-    over and over, a step measured up to 15% off its share (the large preset's GEMMs: 9.8 ms
-    alone, 8.4 ms of the layer's kernel time)."""
-    times: dict[str, list[float]] = {n: [] for n in steps}
+    over and over, a step measures off its share in the layer (docs/perf-log.md, v12)."""
+    times: dict[str, list[float]] = {step.name: [] for step in steps}
     for rep in range(warmup + reps):
         events = [gpu.create_event() for _ in range(len(steps) + 1)]
         gpu.record_event(events[0], stream)
-        for i, step in enumerate(steps.values(), 1):
-            step(stream)
+        for i, step in enumerate(steps, 1):
+            step.run(stream)
             gpu.record_event(events[i], stream)
         if rep >= warmup:
-            for i, name in enumerate(steps):
-                times[name].append(gpu.elapsed_ms(events[i], events[i + 1]))
+            for i, step in enumerate(steps):
+                times[step.name].append(gpu.elapsed_ms(events[i], events[i + 1]))
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
@@ -258,10 +249,11 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         timers = [lambda: time_once(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream),
                                     stream)]
         ms, *fla_ms = medians_in_turn(timers + (fla_timers(t) if fla_timers else []), reps, 3)
-        steps = step_medians(gpu, layer.prefill_steps(h, t, state, ws), stream, reps, 3)
+        table = layer.prefill_steps(h, t, state, ws)
+        steps = step_medians(gpu, table, stream, reps, 3)
         core = steps["chunk_intra"] + steps["chunk_inter"]
-        gemm = sum(ms for n, ms in steps.items() if n.endswith("_gemm"))
-        kernels = {n: ms for n, ms in steps.items() if not n.endswith("_gemm")}
+        gemm = sum(steps[step.name] for step in table if step.gemm)
+        kernels = {step.name: steps[step.name] for step in table if not step.gemm}
         out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                                  prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels))
     _release(gpu, [layer], [state], ws, h)

@@ -32,8 +32,7 @@ class CupyBackend(GpuBackend):
         self._cc = 10 * int(props["major"]) + int(props["minor"])
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
-        self._functions: dict[tuple[str, str], Any] = {}
-        self._smem_set: dict[tuple[str, str], int] = {}
+        self._functions: dict[tuple[str, str], tuple[Any, int]] = {}
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
 
@@ -123,11 +122,10 @@ class CupyBackend(GpuBackend):
         return _CudaGraph(self, graph)
 
     # -- kernels ---------------------------------------------------------------------------
-    def load_module(self, family: str, defines: Sequence[str] = ()) -> Any:
-        """`defines` ("-DNAME") build a variant, such as chunk.cu's phase marks for
-        tools/chunk_phases.py; it is a module of its own, its functions cached apart. On
-        compute capability 9.0 the build targets sm_90a, whose warpgroup MMAs the chunk
-        walk runs on (NVRTC keeps this first -arch over the sm_90 CuPy appends)."""
+    def load_module(self, family: str, defines: Sequence[str]) -> Any:
+        """Compile `kernels_cu/<family>.cu` with `defines` for this device. On compute
+        capability 9.0 the build targets sm_90a, whose warpgroup MMAs the chunk walk runs on
+        (NVRTC keeps this first -arch over the sm_90 CuPy appends)."""
         src = kernels_dir() / f"{family}.cu"
         if not src.exists():
             raise KdaError(f"kernel family {family!r}: {src} not found")
@@ -138,22 +136,35 @@ class CupyBackend(GpuBackend):
         return _Module(" ".join((family, *defines)), raw)
 
     def module_global(self, module: "_Module", name: str) -> DevicePtr:
-        """The device address of a `__device__` variable of a loaded module (such as
-        chunk.cu's phase counters in its marked build)."""
+        """The device address of a `__device__` or `__constant__` variable of a loaded module
+        (such as chunk.cu's phase counters in its marked build)."""
         return DevicePtr(module.raw.get_global(name).ptr)
+
+    def _function(self, module: "_Module", kernel: str) -> tuple[Any, int]:
+        """A kernel's function and its dynamic shared memory: the `<kernel>_smem` int its
+        source exports (0 where it exports none), allowed on the function once, here."""
+        key = (module.family, kernel)
+        if key not in self._functions:
+            fn = module.raw.get_function(kernel)
+            try:
+                smem_at = self.module_global(module, f"{kernel}_smem")
+            except cp.cuda.driver.CUDADriverError:  # the kernel takes no dynamic shared memory
+                smem = 0
+            else:
+                word = np.zeros(1, np.int32)
+                cp.cuda.runtime.memcpy(word.ctypes.data, int(smem_at), 4, _D2H)
+                smem = int(word[0])
+            if smem > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = smem
+            self._functions[key] = (fn, smem)
+        return self._functions[key]
 
     def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:
-        key = (module.family, kernel)
-        fn = self._functions.get(key)
-        if fn is None:
-            fn = self._functions[key] = module.raw.get_function(kernel)
-        if cfg.shared_mem > 48 * 1024 and self._smem_set.get(key, 0) < cfg.shared_mem:
-            fn.max_dynamic_shared_size_bytes = cfg.shared_mem
-            self._smem_set[key] = cfg.shared_mem
+        fn, smem = self._function(module, kernel)
         cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
         with self.stream_obj(stream):
-            fn(cfg.grid, cfg.block, cargs, shared_mem=cfg.shared_mem)
+            fn(cfg.grid, cfg.block, cargs, shared_mem=smem)
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:

@@ -122,7 +122,7 @@ class HostBackend(GpuBackend):
         return _HostGraph(fn)
 
     # -- kernels ---------------------------------------------------------------------------
-    def load_module(self, family: str) -> dict:
+    def load_module(self, family: str, defines: Sequence[str] = ()) -> dict:
         from .host_kernels import HOST_KERNELS
         if family not in HOST_KERNELS:
             raise KdaError(f"no host implementation of kernel family {family!r}")

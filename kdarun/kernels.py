@@ -8,57 +8,44 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
 from .errors import KdaError
-from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
-
-if TYPE_CHECKING:
-    from .workspace import Glm5NextKdaWorkspace
+from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5NextKdaConfig
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
-# Mirrors of constants and layouts the CUDA sources fix; tests/test_kernel_layouts.py builds a
-# host program from those sources and checks every one of them against these.
-GEMV_TILE = 16  # output rows a GEMV block (TILE in gemv.cu)
-GEMV_WARPS = 8  # warps a GEMV block, each a share of K (WARPS in gemv.cu)
-GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes (SK in gemv.cu)
-GEMV_STAGES = 2  # stages a GEMV warp keeps in flight (STAGES in gemv.cu)
-GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__ in gemv.cu)
-THREADS = 256  # the element-wise kernels' and kda_chunk_intra's block (THREADS in chunk.cu)
-CHUNK_AP = 68  # padded row stride of the C x C tiles in chunk.cu (AP)
-DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (SPLIT in recurrent.cu)
-CONV_TOKENS = 16  # consecutive tokens one prefill_conv_qkv thread walks (CONV_TOKENS in conv.cu)
+
+# The launch geometry: the wrappers below size their grids by these, and every build of
+# kernels_cu/ receives them as -DNAME=value (`compile_defines`), so each is written here alone.
+THREADS = 256  # the element-wise kernels', the prefill conv's and kda_chunk_intra's block
+GEMV_TILE = 16  # output rows a GEMV warp's tile: the MMA's M
+GEMV_WARPS = 8  # warps a GEMV block, each a tile or a share of one tile's K
+GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
+GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
+GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
+DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
+CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
+WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
+WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
-WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries (Walk::VS in chunk.cu)
-WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp (Walk::BLOCK)
 i32, f32 = np.int32, np.float32
+
+
+def compile_defines() -> tuple[str, ...]:
+    """The -D flags every build of kernels_cu/ takes: the geometry above and the facts of
+    config.py the kernels share (chunk length, widest conv, most decode rows, L2 epsilon)."""
+    values = {"CHUNK": CHUNK, "MAX_DECODE_ROWS": MAX_DECODE_ROWS,
+              "MAX_CONV_KERNEL": MAX_CONV_KERNEL, "L2_NORM_EPS": f"{L2_NORM_EPS!r}f",
+              "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
+              "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
+              "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
+              "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
+    return tuple(f"-D{name}={value}" for name, value in values.items())
 
 
 def _blocks(n: int, per: int = THREADS) -> int:
     return max(1, -(-n // per))
-
-
-def intra_smem_bytes() -> int:
-    """Shared memory of kda_chunk_intra_d*: the `Intra` layout in chunk.cu (G, k, q [C, 66]
-    for 64 dimensions at a time; scaled rows as hi and lo bf16 planes [2][C+32][36] words;
-    A, Aqk [C, AP]; beta [C]), in 4-byte words."""
-    return 4 * (3 * CHUNK * 66 + 2 * (CHUNK + 32) * 36 + 2 * CHUNK * CHUNK_AP + CHUNK)
-
-
-def walk_smem_bytes(d: int) -> int:
-    """Shared memory of kda_chunk_inter_d{d} (`Walk<D>` in chunk.cu), in bytes: w and qg
-    [C, d] as split words, two buffers each; kd^T [d, C] and Aqk [C, C] as split words; u's
-    slice [C, WALK_ROWS] fp32 and gl [d] fp32, two buffers each; four 8-byte mbarriers."""
-    return 4 * (4 * CHUNK * d + d * CHUNK + CHUNK * CHUNK + 2 * CHUNK * WALK_ROWS + 2 * d) + 32
-
-
-def gemv_smem_bytes() -> int:
-    """Dynamic shared memory of a GEMV block: each warp's ring of GEMV_STAGES stages of
-    GEMV_TILE rows x GEMV_STAGE_K bf16."""
-    return GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2
 
 
 @functools.cache
@@ -66,10 +53,9 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
     """Warps that share one GEMV tile's K: the largest power of two up to GEMV_WARPS that
     leaves each warp a stage and keeps the launch's warps, with `reserved` others of the
     same launch, within what the SMs hold at once (a second partial wave of blocks streams
-    at part speed), but no fewer than `at_least` where the stages allow. On an H200 this
-    picks 8 for kimi-linear-48b's o_proj (144 tiles; 4 and 8 shares measured 9.7 and 8.2 us).
-    It depends on the shape alone, so every row count sums in the same order; cached, as
-    decode asks for it every call."""
+    at part speed), but no fewer than `at_least` where the stages allow. It depends on the
+    shape alone, so every row count sums in the same order; cached, as decode asks for it
+    every call."""
     tiles, steps = _blocks(rows, GEMV_TILE), _blocks(k, GEMV_STAGE_K)
     cap = GEMV_WARPS
     while cap > steps:
@@ -90,7 +76,7 @@ class Glm5NextKdaKernels:
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig):
         self.gpu = gpu
         self.cfg = cfg
-        self.modules = {fam: gpu.load_module(fam) for fam in FAMILIES}
+        self.modules = {fam: gpu.load_module(fam, compile_defines()) for fam in FAMILIES}
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:
@@ -115,7 +101,7 @@ class Glm5NextKdaKernels:
     @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
-        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), gemv_smem_bytes())
+        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -137,14 +123,12 @@ class Glm5NextKdaKernels:
         early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, sm)
         gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
-        # q|k|v: within one wave with the rest where that leaves 2 shares (kimi-linear-48b's
-        # front end 18.2 us, 20.8 with 4 shares and the gates in a second wave), else 2 (large:
-        # 1 share 81.2 us, 2 shares and the gates in a second wave 78.2)
+        # q|k|v: within one wave with the rest where that leaves 2 shares, else 2 anyway: a
+        # second wave of gates cost less than single-share q|k|v tiles (docs/perf-log.md, v6)
         ks = _gemv_shares(qkv_rows, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
                           at_least=2)
         proj_blocks = early_blocks + self._gemv_cfg(qkv_rows, ks).grid[0]
-        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1),
-                           gemv_smem_bytes())
+        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
 
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
@@ -231,36 +215,35 @@ class Glm5NextKdaKernels:
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
 
-    def kda_chunk_intra(self, stream: int, ws: "Glm5NextKdaWorkspace", t: int) -> None:
-        """Every chunk's WY factors over t tokens of ws.q_f32/k_f32/v_f32/gate/beta, in
-        parallel, into the workspace's private chunk_* buffers (the chunked core's first half;
-        rows >= t are never read)."""
+    def kda_chunk_intra(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr,
+                        gate: DevicePtr, beta: DevicePtr, qg: DevicePtr, kd: DevicePtr,
+                        gl: DevicePtr, w: DevicePtr, u: DevicePtr, aqk: DevicePtr, t: int) -> None:
+        """Every chunk's WY factors over t tokens of q, k, v, gate [t_pad, H, D] fp32 and beta
+        [t_pad, H], in parallel: the chunked core's first half. It writes the walk's operands
+        qg, kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to
+        chunk.cu); rows >= t are never read."""
         c = self.cfg
-        D, t_pad = c.head_dim, c.t_pad(t)
-        H, ptr = c.num_heads, ws.ptr
+        D, t_pad, H = c.head_dim, c.t_pad(t), c.num_heads
         self._launch("chunk", f"kda_chunk_intra_d{D}",
-                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1), intra_smem_bytes()),
-                     (ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta, ptr("chunk_qg"),
-                      ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"), ptr("chunk_u"),
-                      ptr("chunk_aqk"), i32(t), i32(t_pad), i32(H), f32(c.scale)), stream)
+                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1)),
+                     (q, k, v, gate, beta, qg, kd, gl, w, u, aqk, i32(t), i32(t_pad), i32(H),
+                      f32(c.scale)), stream)
 
-    def kda_chunk_inter(self, stream: int, ws: "Glm5NextKdaWorkspace", state: DevicePtr,
-                        t: int) -> None:
-        """The sequential walk over the chunks from the intra factors, carrying state
-        [H, Dv, Dk] fp32 (read, then written back) and writing ws.core rows < t; a block
-        carries WALK_ROWS rows of a head's state on warpgroup MMAs (sm_90)."""
+    def kda_chunk_inter(self, stream: int, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
+                        w: DevicePtr, u: DevicePtr, aqk: DevicePtr, state: DevicePtr,
+                        core: DevicePtr, t: int) -> None:
+        """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
+        carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
+        [t_pad, H, D] rows < t. A block carries WALK_ROWS rows of a head's state on warpgroup
+        MMAs (sm_90a)."""
         if not self.gpu.has_wgmma:
             raise KdaError(f"kda_chunk_inter: the chunked walk runs on warpgroup MMAs, which "
                            f"{self.gpu.device_name} lacks (needs compute capability 9.0)")
         c = self.cfg
-        D, t_pad = c.head_dim, c.t_pad(t)
-        H, ptr = c.num_heads, ws.ptr
+        D, t_pad, H = c.head_dim, c.t_pad(t), c.num_heads
         self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((H, D // WALK_ROWS, 1), (WALK_THREADS, 1, 1),
-                                  walk_smem_bytes(D)),
-                     (ptr("chunk_qg"), ptr("chunk_kd"), ptr("chunk_gl"), ptr("chunk_w"),
-                      ptr("chunk_u"), ptr("chunk_aqk"), state, ws.core, i32(t), i32(t_pad),
-                      i32(H)), stream)
+                     LaunchConfig((H, D // WALK_ROWS, 1), (WALK_THREADS, 1, 1)),
+                     (qg, kd, gl, w, u, aqk, state, core, i32(t), i32(t_pad), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,
@@ -273,3 +256,4 @@ class Glm5NextKdaKernels:
         self._launch("norm", "gated_rmsnorm", cfg,
                      (core, out_gate, w, out, i32(t), i32(c.num_heads), i32(c.head_dim),
                       f32(c.rms_norm_eps)), stream)
+

@@ -1,4 +1,4 @@
-"""The float64 oracle: one KDA block written straight from DESIGN.md §1.
+"""The float64 oracle: one KDA block written straight from the math in docs/design.md.
 
 Independent of the kernels: no packing, no rounding points, a per-token recurrence for
 the core (`core_recurrent`), plus a chunked WY form (`core_chunked`) that must agree
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import CHUNK, Glm5NextKdaConfig
+from .config import CHUNK, L2_NORM_EPS, Glm5NextKdaConfig
 
 F64 = np.float64
 
@@ -64,7 +64,7 @@ def conv(cfg: Glm5NextKdaConfig, tensors: dict, qkv_proj: np.ndarray,
         y += w[:, j] * x[j:j + T]
     y = silu(y)
     qk = y[:, :2 * cfg.qkv].reshape(T, 2 * cfg.num_heads, cfg.head_dim)
-    qk = qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
+    qk = qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + L2_NORM_EPS)
     y[:, :2 * cfg.qkv] = qk.reshape(T, 2 * cfg.qkv)
     return y, x[T:]
 

@@ -34,8 +34,6 @@ __device__ unsigned long long phase_cycles[16];
 #define PHASE(i)
 #endif
 
-#define CH 64
-#define THREADS 256        // kda_chunk_intra's threads (kernels.py launches them so)
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
@@ -100,17 +98,16 @@ __device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a
 // rows of the product's n axis by K of its k axis in split words, a hi plane then a lo plane
 // of N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
 // K-major layout without swizzle: core matrices of 8 rows x 16 bytes (4 k-pairs), adjacent
-// along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_VS
-// columns, [C, WALK_VS] each, for the same reason.
-#define WALK_VS 64  // state rows (v) a walk block carries: a warpgroup MMA's m
+// along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_ROWS
+// columns, [C, WALK_ROWS] each, for the same reason.
 __host__ __device__ constexpr int img_word(int N, int n, int p) {
     return 4 * N * (p >> 2) + 4 * n + (p & 3);
 }
 // Where u[t][v] sits in its slice: a walk thread reads tokens t, t + 2, t + 4, t + 6 in one load
-// (lanes four apart), which share banks in [C][WALK_VS] rows; v's octet is XORed with t's pair
+// (lanes four apart), which share banks in [C][WALK_ROWS] rows; v's octet is XORed with t's pair
 // index, so the four take distinct banks. The intra kernel's stores of a row stay 256 bytes.
 __host__ __device__ constexpr int u_word(int t, int v) {
-    return WALK_VS * t + (v ^ (8 * ((t >> 1) & 3)));
+    return WALK_ROWS * t + (v ^ (8 * ((t >> 1) & 3)));
 }
 // w is the one operand whose image is MN-major: the solve produces it a column (dimension) at a
 // time, and 8 tokens of one are a 16-byte row of a core matrix (8 dimensions x 8 tokens), so a
@@ -118,9 +115,9 @@ __host__ __device__ constexpr int u_word(int t, int v) {
 // dimension octets 4 C words apart; w_word is the word holding tokens t, t ^ 1 of dimension d
 // in the hi plane, the lo plane C D / 2 words on.
 __host__ __device__ constexpr int w_word(int d, int t) {
-    return 4 * CH * (d >> 3) + 32 * (t >> 3) + 4 * (d & 7) + ((t & 7) >> 1);
+    return 4 * CHUNK * (d >> 3) + 32 * (t >> 3) + 4 * (d & 7) + ((t & 7) >> 1);
 }
-#define W_LBO (CH * 16)  // bytes between dimension (k) octets
+#define W_LBO (CHUNK * 16)  // bytes between dimension (k) octets
 #define W_SBO 128        // bytes between token (n) octets
 // Where the intra kernel parks k exp(G)[t][d] in a w block until the solve overwrites it: the
 // words w's rows of t's 16-row solve block take in its image (64-word runs: two token octets
@@ -129,7 +126,7 @@ __host__ __device__ constexpr int w_word(int d, int t) {
 template <int D>
 __host__ __device__ constexpr int park_word(int t, int d) {
     const int r = (D / 64) * (t % 16) + d / 64;  // the run: a plane's D / 8 k-octets each
-    return (r / (D / 8)) * (CH * D / 2) + (r % (D / 8)) * 4 * CH + 64 * (t / 16) + d % 64;
+    return (r / (D / 8)) * (CHUNK * D / 2) + (r % (D / 8)) * 4 * CHUNK + 64 * (t / 16) + d % 64;
 }
 
 // ---- intra: every (chunk, head) in parallel -----------------------------------------------------
@@ -143,10 +140,10 @@ struct Intra {
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
     static constexpr int PE = plane_ld(DH / 2);  // scaled rows: the hi and lo planes' rows
     static constexpr int SB = 16;        // the factorisation's block of rows
-    static constexpr int EROWS = CH + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
-    static constexpr int G_OFF = 0, K_OFF = CH * P, Q_OFF = 2 * CH * P, E_OFF = 3 * CH * P;
-    static constexpr int A_OFF = E_OFF + 2 * EROWS * PE, M_OFF = A_OFF + CH * AP;
-    static constexpr int B_OFF = M_OFF + CH * AP, FLOATS = B_OFF + CH;
+    static constexpr int EROWS = CHUNK + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
+    static constexpr int G_OFF = 0, K_OFF = CHUNK * P, Q_OFF = 2 * CHUNK * P, E_OFF = 3 * CHUNK * P;
+    static constexpr int A_OFF = E_OFF + 2 * EROWS * PE, M_OFF = A_OFF + CHUNK * AP;
+    static constexpr int B_OFF = M_OFF + CHUNK * AP, FLOATS = B_OFF + CHUNK;
 };
 
 template <int D>
@@ -161,21 +158,21 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     extern __shared__ __align__(16) float sm[];
     float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
-    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CH;
+    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CHUNK;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] inputs
-    const u64 blk = ((u64)ci * H + h) * CH * D;  // the outputs: one block a (chunk, head)
+    const u64 blk = ((u64)ci * H + h) * CHUNK * D;  // the outputs: one block a (chunk, head)
 
-    for (int i = tid; i < 2 * CH * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
+    for (int i = tid; i < 2 * CHUNK * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
     PHASES_BEGIN;
-    if (tid < CH) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
+    if (tid < CHUNK) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
 
     for (int d0 = 0; d0 < D; d0 += DH) {
         // k, q and the gate's cumulative sum G over dimensions [d0, d0 + DH). Each thread sums
         // one dimension over a segment of rows in registers; segment totals then shift the
         // later segments.
         {
-            constexpr int IT = CH * DH / 4 / THREADS, SEGS = THREADS / DH, SL = CH / SEGS;
+            constexpr int IT = CHUNK * DH / 4 / THREADS, SEGS = THREADS / DH, SL = CHUNK / SEGS;
             float4 kv[IT], qv[IT];
             float gv[SL];
             const int d = tid % DH, seg = tid / DH;
@@ -220,28 +217,28 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         // image: each of its stores is 128 contiguous bytes of a plane.
         static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
         const int c2 = 2 * lane;  // the scaled rows' two dimensions
-        if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CH - 1) * P + tid]);
-        for (int it = warp; it < (CH / 8) * (DH / 8); it += THREADS / 32) {
+        if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CHUNK - 1) * P + tid]);
+        for (int it = warp; it < (CHUNK / 8) * (DH / 8); it += THREADS / 32) {
             const int r = 8 * (it / (DH / 8)) + (lane >> 2), pl = 4 * (it % (DH / 8)) + (lane & 3);
             const float2 G = *reinterpret_cast<const float2*>(Gs + r * P + 2 * pl);
             const float2 qq = *reinterpret_cast<const float2*>(Qs + r * P + 2 * pl);
             const float2 kk = *reinterpret_cast<const float2*>(Ks + r * P + 2 * pl);
             const float e0 = __expf(G.x), e1 = __expf(G.y);
             const uint2 x = split_pair(qq.x * e0, qq.y * e1);
-            unsigned* qw = qg_out + blk + img_word(CH, r, d0 / 2 + pl);
-            qw[0] = x.x, qw[CH * D / 2] = x.y;
+            unsigned* qw = qg_out + blk + img_word(CHUNK, r, d0 / 2 + pl);
+            qw[0] = x.x, qw[CHUNK * D / 2] = x.y;
             *reinterpret_cast<float2*>(w_out + blk + park_word<D>(r, d0 + 2 * pl)) =
                 make_float2(kk.x * e0, kk.y * e1);
         }
         // kd^T, a [D][C] block a (chunk, head): rows d, pairs of tokens
-        for (int it = warp; it < (DH / 8) * (CH / 8); it += THREADS / 32) {
-            const int d = 8 * (it / (CH / 8)) + (lane >> 2), tp = 4 * (it % (CH / 8)) + (lane & 3);
-            const float GL = Gs[(CH - 1) * P + d];
+        for (int it = warp; it < (DH / 8) * (CHUNK / 8); it += THREADS / 32) {
+            const int d = 8 * (it / (CHUNK / 8)) + (lane >> 2), tp = 4 * (it % (CHUNK / 8)) + (lane & 3);
+            const float GL = Gs[(CHUNK - 1) * P + d];
             const float k0 = Ks[2 * tp * P + d] * __expf(GL - Gs[2 * tp * P + d]);
             const float k1 = Ks[(2 * tp + 1) * P + d] * __expf(GL - Gs[(2 * tp + 1) * P + d]);
             const uint2 x = split_pair(k0, k1);
             unsigned* kw = kd_out + blk + img_word(D, d0 + d, tp);
-            kw[0] = x.x, kw[D * CH / 2] = x.y;
+            kw[0] = x.x, kw[D * CHUNK / 2] = x.y;
         }
 
         // A block row of 16 at a time: rows r.. of A and Aqk against every row up to r + 15,
@@ -251,7 +248,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         // e^+-SPAN, far inside fp32), which the bounded gate always meets (15 x 5 < SPAN); a
         // block beyond it takes exp(G_t - G_s) pair by pair instead.
         constexpr float SPAN = 76.0f;
-        for (int r = 0; r < CH; r += SB) {
+        for (int r = 0; r < CHUNK; r += SB) {
             // also: Es is free (totals read, or the last block row's products done)
             const bool by_pairs = __syncthreads_or(
                 tid < DH && Gs[r * P + tid] - Gs[(r + SB - 1) * P + tid] > SPAN);
@@ -273,7 +270,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);
                 const uint2 y = split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
-                Eh[(CH + i) * PE + lane] = y.x, El[(CH + i) * PE + lane] = y.y;
+                Eh[(CHUNK + i) * PE + lane] = y.x, El[(CHUNK + i) * PE + lane] = y.y;
             }
             __syncthreads();  // the scaled rows are in place
             PHASE(2);
@@ -284,7 +281,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int kp = 0; kp < DH / 2; kp += 8)
-                    mma3(c, e, frag_a(Eh, El, PE, CH + SB * mt, kp, lane),
+                    mma3(c, e, frag_a(Eh, El, PE, CHUNK + SB * mt, kp, lane),
                          frag_bt(Eh, El, PE, kp, n0, lane));
                 float* dst = mt ? Ms : A;
                 if (n0 + 8 <= r) {  // off the diagonal block every element is kept: pairs
@@ -333,12 +330,12 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         PHASE(3);
     }
     {  // Aqk as split words, rows t with s-pairs in the walk's planes
-        unsigned* Mg = aqk + ((u64)ci * H + h) * CH * CH;
-        for (int i = tid; i < CH * CH / 2; i += THREADS) {  // a warp: 8 rows x 4 pairs
+        unsigned* Mg = aqk + ((u64)ci * H + h) * CHUNK * CHUNK;
+        for (int i = tid; i < CHUNK * CHUNK / 2; i += THREADS) {  // a warp: 8 rows x 4 pairs
             const int q = i & 31, t = 8 * ((i >> 5) / 8) + (q >> 2);
             const int p = 4 * ((i >> 5) % 8) + (q & 3);
             const uint2 x = split_pair(Ms[t * AP + 2 * p], Ms[t * AP + 2 * p + 1]);
-            Mg[img_word(CH, t, p)] = x.x, Mg[img_word(CH, t, p) + CH * CH / 2] = x.y;
+            Mg[img_word(CHUNK, t, p)] = x.x, Mg[img_word(CHUNK, t, p) + CHUNK * CHUNK / 2] = x.y;
         }
     }
 
@@ -350,13 +347,13 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // written as fp32 and w as split words in the walk's image (w_word), over the right-hand
     // side k exp(G) parked in the words of the same 16-row block (park_word), read before any
     // of them is written.
-    constexpr int LX = plane_ld(CH / 2);  // X's and A's plane rows: words of token pairs
-    constexpr int XK = CH - SB;          // rows the products read: all but the last block's
+    constexpr int LX = plane_ld(CHUNK / 2);  // X's and A's plane rows: words of token pairs
+    constexpr int XK = CHUNK - SB;          // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
     constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
                             // same-address reads of a row go four at a time
     constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
-    static_assert(DG_OFF + (CH / SB) * SB * DG <= L::A_OFF,
+    static_assert(DG_OFF + (CHUNK / SB) * SB * DG <= L::A_OFF,
                   "X and the diagonal blocks fit below A");
     static_assert(2 * XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
                   "A's rows in planes fit where Aqk was, C where A was");
@@ -374,16 +371,16 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         const uint2 y = split_pair(A[(SB + r) * AP + 2 * p], A[(SB + r) * AP + 2 * p + 1]);
         Ah[r * LX + p] = y.x, Al[r * LX + p] = y.y;
     }
-    for (int i = tid; i < CH * SB; i += THREADS) {  // the diagonal blocks, fp32
+    for (int i = tid; i < CHUNK * SB; i += THREADS) {  // the diagonal blocks, fp32
         const int r = i / SB, c = i % SB;
         Dg[(r / SB) * SB * DG + (r % SB) * DG + c] = A[r * AP + (r / SB) * SB + c];
     }
     __syncthreads();  // A is read: C goes there
     PHASE(5);
     const int col = tid, dc = col < D ? col : col - D;
-    float* u_slice = u_out + blk + (dc / WALK_VS) * CH * WALK_VS;  // u's slices
+    float* u_slice = u_out + blk + (dc / WALK_ROWS) * CHUNK * WALK_ROWS;  // u's slices
     unsigned* w_img = reinterpret_cast<unsigned*>(w_out) + blk;
-    for (int bi = 0; bi < CH / SB; ++bi) {
+    for (int bi = 0; bi < CHUNK / SB; ++bi) {
         const int r0 = bi * SB;
         // this block's right-hand sides, all in flight before the product below: loaded one
         // row at a time inside the substitution, each load's latency sat in its chain
@@ -430,7 +427,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             }
             if (col < D) {
 #pragma unroll
-                for (int r = 0; r < SB; ++r) u_slice[u_word(r0 + r, dc % WALK_VS)] = x[r];
+                for (int r = 0; r < SB; ++r) u_slice[u_word(r0 + r, dc % WALK_ROWS)] = x[r];
             }
 #pragma unroll
             for (int q4 = 0; q4 < SB / 8; ++q4) {  // 8 tokens: a 16-byte store of each plane
@@ -440,7 +437,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                     y[i] = split_pair(x[8 * q4 + 2 * i], x[8 * q4 + 2 * i + 1]);
                 const uint4 hi = make_uint4(y[0].x, y[1].x, y[2].x, y[3].x);
                 const uint4 lo = make_uint4(y[0].y, y[1].y, y[2].y, y[3].y);
-                if (r0 + SB < CH) {
+                if (r0 + SB < CHUNK) {
                     const int o = col * LX + r0 / 2 + 4 * q4;
                     *reinterpret_cast<uint4*>(Xh + o) = hi;
                     *reinterpret_cast<uint4*>(Xl + o) = lo;
@@ -448,7 +445,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                 if (col >= D) {
                     unsigned* wq = w_img + w_word(dc, r0 + 8 * q4);
                     *reinterpret_cast<uint4*>(wq) = hi;
-                    *reinterpret_cast<uint4*>(wq + CH * D / 2) = lo;
+                    *reinterpret_cast<uint4*>(wq + CHUNK * D / 2) = lo;
                 }
             }
         }
@@ -476,10 +473,10 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 // terms are committed as groups of their own behind W^T and S^T, which are waited for alone.
 template <int D>
 struct Walk {
-    static constexpr int VS = WALK_VS;  // state rows (v) a block: the warpgroup's m64
-    static constexpr int BLOCK = WARPGROUP + 32;  // the MMAs' warpgroup, then the copies' warp
-    static constexpr int WQ_BYTES = CH * D * 4, K_BYTES = D * CH * 4, A_BYTES = CH * CH * 4;
-    static constexpr int U_BYTES = CH * VS * 4, GL_BYTES = D * 4;
+    static_assert(WALK_ROWS == 64 && WALK_THREADS == WARPGROUP + 32,
+                  "a warpgroup MMA's m64 state rows, then the copies' warp");
+    static constexpr int WQ_BYTES = CHUNK * D * 4, K_BYTES = D * CHUNK * 4, A_BYTES = CHUNK * CHUNK * 4;
+    static constexpr int U_BYTES = CHUNK * WALK_ROWS * 4, GL_BYTES = D * 4;
     static constexpr int W_OFF = 0, Q_OFF = 2 * WQ_BYTES, K_OFF = 4 * WQ_BYTES;  // w, qg: 2 buffers
     static constexpr int A_OFF = K_OFF + K_BYTES, U_OFF = A_OFF + A_BYTES;      // kd^T, Aqk
     static constexpr int GL_OFF = U_OFF + 2 * U_BYTES, BAR_OFF = GL_OFF + 2 * GL_BYTES;  // u, gl: 2
@@ -528,14 +525,14 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                      float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
                      int H) {
     using L = Walk<D>;
-    constexpr int KD = D / 16, KC = CH / 16;  // k-steps over D and over C
+    constexpr int KD = D / 16, KC = CHUNK / 16;  // k-steps over D and over C
     extern __shared__ __align__(128) unsigned char smb[];
     u64* bars = reinterpret_cast<u64*>(smb + L::BAR_OFF);
     const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int v0 = blockIdx.y * L::VS;  // the slice
+    const int v0 = blockIdx.y * WALK_ROWS;  // the slice
     const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
-    const int nchunks = T_pad / CH;
+    const int nchunks = T_pad / CHUNK;
     if (tid == 0) {
         for (int i = 0; i < L::DONE_BAR; ++i) mbar_init(bars + i, 1);
         mbar_init(bars + L::DONE_BAR, WARPGROUP);
@@ -551,19 +548,19 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                 const int b = ci & 1;
                 const u64 blk = (u64)ci * H + h;
                 mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
-                bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CH * D, L::WQ_BYTES,
+                bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D, L::WQ_BYTES,
                           bars + b);
-                bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CH * D, L::WQ_BYTES,
+                bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D, L::WQ_BYTES,
                           bars + b);
-                const float* u_slice = u_in + (blk * (D / L::VS) + blockIdx.y) * CH * L::VS;
+                const float* u_slice = u_in + (blk * (D / WALK_ROWS) + blockIdx.y) * CHUNK * WALK_ROWS;
                 bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
                 bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
             };
             auto load_kd = [&](int ci) {  // kd, Aqk of chunk ci
                 const u64 blk = (u64)ci * H + h;
                 mbar_expect(bars + L::KD_BAR, L::K_BYTES + L::A_BYTES);
-                bulk_copy(smb + L::K_OFF, kd + blk * D * CH, L::K_BYTES, bars + L::KD_BAR);
-                bulk_copy(smb + L::A_OFF, aqk + blk * CH * CH, L::A_BYTES, bars + L::KD_BAR);
+                bulk_copy(smb + L::K_OFF, kd + blk * D * CHUNK, L::K_BYTES, bars + L::KD_BAR);
+                bulk_copy(smb + L::A_OFF, aqk + blk * CHUNK * CHUNK, L::A_BYTES, bars + L::KD_BAR);
             };
             load_next(0);
             load_kd(0);
@@ -590,21 +587,21 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 #pragma unroll
     for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
 
-    const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CH>(smb + L::A_OFF);
+    const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CHUNK>(smb + L::A_OFF);
     PHASES_BEGIN;
     for (int ci = 0; ci < nchunks; ++ci) {
-        const int b = ci & 1, c0 = ci * CH;
+        const int b = ci & 1, c0 = ci * CHUNK;
         mbar_wait(bars + b, (ci >> 1) & 1);  // chunk ci's w, qg, u, gl
         PHASE(8);
 
-        float P[CH / 2], O[CH / 2];
+        float P[CHUNK / 2], O[CHUNK / 2];
 #pragma unroll
-        for (int i = 0; i < CH / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
+        for (int i = 0; i < CHUNK / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
         wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
         wgmma_fence();
-        wg3<CH, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
+        wg3<CHUNK, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
         wgmma_commit();
-        wg3<CH, D>(O, Sh, Sl, operand_desc<CH>(smb + L::Q_OFF + b * L::WQ_BYTES));
+        wg3<CHUNK, D>(O, Sh, Sl, operand_desc<CHUNK>(smb + L::Q_OFF + b * L::WQ_BYTES));
         wgmma_commit();
         wgmma_wait<1>();  // W^T is in; O^T's first term may still run
         wgmma_pin(P);
@@ -613,7 +610,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         // v^T = u^T - W^T, its fragments; the decay on S
         const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
 #pragma unroll
-        for (int j = 0; j < CH / 8; ++j)
+        for (int j = 0; j < CHUNK / 8; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 P[4 * j + i] =
@@ -632,9 +629,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         PHASE(11);
         wgmma_pin(S), wgmma_pin(O);
         wgmma_fence();
-        wg3<D, CH>(S, Vh, Vl, kdesc);
+        wg3<D, CHUNK>(S, Vh, Vl, kdesc);
         wgmma_commit();
-        wg3<CH, CH>(O, Vh, Vl, adesc);
+        wg3<CHUNK, CHUNK>(O, Vh, Vl, adesc);
         wgmma_commit();
         wgmma_wait<1>();  // S^T is in; O^T's second term may still run
         wgmma_pin(S);
@@ -646,7 +643,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         mbar_arrive(bars + L::DONE_BAR);  // this thread is done with chunk ci's shared memory
         // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
 #pragma unroll
-        for (int j = 0; j < CH / 8; ++j)
+        for (int j = 0; j < CHUNK / 8; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int t = c0 + 8 * j + 2 * t4 + (i & 1);
@@ -662,20 +659,28 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 }
 
 // T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
-// those of the host twin, which loops over it.
+// those of the host twin, which loops over it. Each kernel's dynamic shared memory is exported
+// as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout structs
+// above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
         unsigned* qg, unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, int T,       \
         int T_pad, int H, float scale) {                                                       \
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
+    }                                                                                          \
+    extern "C" {                                                                               \
+    __constant__ int kda_chunk_intra_d##D##_smem = Intra::FLOATS * 4;                          \
     }
 #define KDA_CHUNK_INTER(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(Walk<D>::BLOCK, 1)   kda_chunk_inter_d##D(     \
+    extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)   kda_chunk_inter_d##D(     \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
         int H) {                                                                               \
         walk<D>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                              \
+    }                                                                                          \
+    extern "C" {                                                                               \
+    __constant__ int kda_chunk_inter_d##D##_smem = Walk<D>::BYTES;                             \
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)

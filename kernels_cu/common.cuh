@@ -2,9 +2,14 @@
 // source builds under NVRTC (CuPy) and nvcc with no dependency on cuda_bf16.h.
 #pragma once
 
+// The launch geometry (CHUNK, THREADS, GEMV_TILE, ...) is kdarun's, given to every build as
+// -DNAME=value by kdarun.kernels.compile_defines(), so each value is written in one place.
+#if !defined(CHUNK) || !defined(THREADS) || !defined(GEMV_TILE) || !defined(L2_NORM_EPS)
+#error "build kernels_cu/ with the flags of kdarun.kernels.compile_defines() (python3 -m kdarun.kernels)"
+#endif
+
 typedef unsigned short bf16;
 typedef unsigned long long u64;  // 64-bit offsets; NVRTC has no <cstddef>
-#define MAX_W 8  // the widest short conv the kernels take (config.MAX_CONV_KERNEL)
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
 

@@ -1,9 +1,8 @@
 // The prefill side of the short causal depthwise conv over time, with the carried conv state
 // [W-1, conv_dim] (oldest row first) standing in for the rows before the first token. Decode's
-// conv is fused into kda_decode_row (recurrent.cu).
+// conv is fused into kda_decode_rows_d{D} (recurrent.cu).
 #include "common.cuh"
 
-#define CONV_TOKENS 16  // consecutive tokens a thread walks
 
 // One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,
 // reading q|k|v from qkv_proj [T, conv_dim], where the projection GEMM wrote them. It keeps
@@ -109,7 +108,7 @@ __device__ __forceinline__ void conv_thread(
             ss = __fmaf_rn(y[e + 1], y[e + 1], ss);
         }
         for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(gmask, ss, o);
-        const float inv = p < 2 ? 1.0f / sqrtf(ss + 1e-6f) : 1.0f;  // v: y * 1 is y, exactly
+        const float inv = p < 2 ? 1.0f / sqrtf(ss + L2_NORM_EPS) : 1.0f;  // v: y * 1 is y, exactly
         unsigned o[4];
         float f[8];
 #pragma unroll
@@ -131,18 +130,18 @@ __device__ __forceinline__ void conv_thread(
         float* __restrict__ qf, float* __restrict__ kf, float* __restrict__ vf, int T,          \
         int T_pad, int H, int D, int W, float pad_fill
 
-// Any width up to MAX_W, taps chosen at run time. Four blocks an SM, 64 registers a thread:
+// Any width up to MAX_CONV_KERNEL, taps chosen at run time. Four blocks an SM, 64 registers a thread:
 // left free, ptxas takes 98 (two blocks an SM).
-extern "C" __global__ void __launch_bounds__(256, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
-    conv_thread<MAX_W>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, W,
+extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
+    conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, W,
                        pad_fill);
 }
 
 // The width of every Kimi Linear checkpoint, as a literal: no tap is tested at run time, the
 // window holds three rows, not seven, and the 32 weights stay in registers (80 registers,
-// three blocks an SM; 11% faster than the generic kernel at large, T = 16384, on an H200).
+// three blocks an SM, faster than the generic kernel: docs/perf-log.md, v10).
 // kernels.py launches it when W == 4, so its W argument is always 4.
-extern "C" __global__ void __launch_bounds__(256) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
+extern "C" __global__ void __launch_bounds__(THREADS) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
     conv_thread<4>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, 4,
                    pad_fill);
 }

@@ -1,26 +1,21 @@
 // Decode projections are pure weight streaming (bf16, read once per token). A warp owns a tile
-// of TILE output rows, or a 1/KS share of its K (KS is the launch's choice: more shares when
-// the tiles alone are too few to keep every SM streaming; blocks hold WARPS / KS tiles). Its
-// weights arrive by cp.async in stages of TILE rows x SK, two rows' whole 256 bytes per
-// instruction, into a ring of STAGES stages in shared memory: loads straight into MMA
-// fragments take 64 bytes from each of 8 rows per instruction, and that pattern streamed ~10%
-// slower than whole 256-byte runs (stand-alone on an H200: kimi-linear-48b's projection 17.4
-// vs 16.2 us, large's 78.4 vs 71.7 us). It multiplies on tensor cores (fragments by
-// ldmatrix) with the up to MAX_ROWS token rows of decode_k as the MMA's columns, so K rows
-// cost the same instructions as one. The k order, the MMA chains and the sum over shares are
+// of GEMV_TILE output rows, or a 1/KS share of its K (KS is the launch's choice: more shares
+// when the tiles alone are too few to keep every SM streaming; blocks hold GEMV_WARPS / KS
+// tiles). Its weights arrive by cp.async in stages of GEMV_TILE rows x GEMV_STAGE_K, two rows'
+// whole 256 bytes per instruction, into a ring of GEMV_STAGES stages in shared memory: loads
+// straight into MMA fragments take 64 bytes from each of 8 rows per instruction, and that
+// pattern streamed slower than whole 256-byte runs (docs/perf-log.md, v6). It multiplies on
+// tensor cores (fragments by ldmatrix) with the up to MAX_DECODE_ROWS token rows of decode_k as
+// the MMA's columns, so K rows cost the same instructions as one. The k order, the MMA chains and the sum over shares are
 // fixed and an output column depends on no other column: decode_k is bit-identical to K
 // decodes.
 #include "gate.cuh"
 
-#define MAX_ROWS 8  // token rows: the MMA's N
-#define TILE 16     // output rows a tile: the MMA's M
-#define WARPS 8     // warps a block
-#define SK 128      // k a stage: each row's 256 bytes
-#define STAGES 2    // stages a warp has in flight (a block's ring: WARPS x STAGES x 4 KB)
 
-// This warp's tile in a launch's run of blocks from block 0: WARPS / ks tiles of ks warps each.
+// This warp's tile in a launch's run of blocks from block 0: GEMV_WARPS / ks tiles of ks warps
+// each.
 __device__ __forceinline__ int gemv_tile_index(int block, int ks) {
-    return block * (WARPS / ks) + (threadIdx.x >> 5) / ks;
+    return block * (GEMV_WARPS / ks) + (threadIdx.x >> 5) / ks;
 }
 
 struct NoWait {
@@ -38,27 +33,27 @@ template <bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
                                           int ks, float out[4], Ready ready = Ready()) {
-    extern __shared__ uint4 stages[];  // [WARPS][STAGES][TILE][SK / 8] 16-byte chunks
-    __shared__ float4 part[WARPS][32];
-    constexpr int CH = SK / 8, SV = TILE * CH;  // chunks a row, a stage
+    extern __shared__ uint4 stages[];  // [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8] 16-byte chunks
+    __shared__ float4 part[GEMV_WARPS][32];
+    constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // chunks a row, a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int share = warp % ks, steps = (K + SK - 1) / SK;
+    const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
     const int n = n0 < N ? (steps - share + ks - 1) / ks : 0;  // this warp's stages
     const int last = max(N - 1, 0);
-    uint4* ring = stages + warp * STAGES * SV;
+    uint4* ring = stages + warp * GEMV_STAGES * SV;
     // stage j into slot u; chunk c of row r lands at c ^ (r & 7), so that ldmatrix's eight
     // row reads of one chunk column fall in eight different banks
     auto fill = [&](int j, int u) {
-        const int c = lane % CH, k = (share + ks * j) * SK + 8 * c;
+        const int c = lane % RUNS, k = (share + ks * j) * GEMV_STAGE_K + 8 * c;
 #pragma unroll
-        for (int i = 0; i < TILE * CH / 32; ++i) {
-            const int r = (32 / CH) * i + lane / CH;
-            cp_async16(ring + u * SV + r * CH + (c ^ (r & 7)),
+        for (int i = 0; i < GEMV_TILE * RUNS / 32; ++i) {
+            const int r = (32 / RUNS) * i + lane / RUNS;
+            cp_async16(ring + u * SV + r * RUNS + (c ^ (r & 7)),
                        W + (u64)min(n0 + r, last) * K + (k < K ? k : 0), k < K ? 16 : 0);
         }
     };
 #pragma unroll
-    for (int u = 0; u < STAGES; ++u) {
+    for (int u = 0; u < GEMV_STAGES; ++u) {
         if (u < n) fill(u, u);
         cp_commit();
     }
@@ -67,25 +62,25 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's row
     float c[2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
     for (int j = 0; j < n; ++j) {
-        const int k0 = (share + ks * j) * SK;
-        unsigned b[SK / 8];  // token row g at k0 + 16q + 8h + 2t, +1: the B fragments
+        const int k0 = (share + ks * j) * GEMV_STAGE_K;
+        unsigned b[GEMV_STAGE_K / 8];  // token row g at k0 + 16q + 8h + 2t, +1: the B fragments
 #pragma unroll
-        for (int i = 0; i < SK / 8; ++i) {
+        for (int i = 0; i < GEMV_STAGE_K / 8; ++i) {
             const int k = k0 + 8 * i + 2 * t;
             const unsigned* p = reinterpret_cast<const unsigned*>(xr + k0 + 8 * i);
             b[i] = g < M && k < K ? (COHERENT ? __ldcg(p) : __ldg(p)) : 0u;
         }
-        cp_wait<STAGES - 1>();
+        cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
-        const uint4* st = ring + (j % STAGES) * SV + row * CH;
+        const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;
 #pragma unroll
-        for (int q = 0; q < SK / 16; ++q) {
+        for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
             unsigned a[4];
             ldmatrix_x4(a, st + ((2 * q + (mi >> 1)) ^ (row & 7)));
             mma_bf16(c[q & 1], a, b + 2 * q);
         }
         __syncwarp();  // the whole warp is done with this slot before it is refilled
-        if (j + STAGES < n) fill(j + STAGES, j % STAGES);
+        if (j + GEMV_STAGES < n) fill(j + GEMV_STAGES, j % GEMV_STAGES);
         cp_commit();
     }
     part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
@@ -112,11 +107,19 @@ __device__ __forceinline__ void tile_outputs(const float out[4], int n0, int N, 
     }
 }
 
+// Both GEMV kernels' dynamic shared memory, the warps' rings (see gemv_tile), exported for the
+// CUDA backend, which launches every kernel with its <kernel>_smem.
+constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
+extern "C" {
+__constant__ int dense_gemv_bf16_smem = GEMV_RING_BYTES;
+__constant__ int front_end_gemv_smem = GEMV_RING_BYTES;
+}
+
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
                 int N, int K, int M, int ldx, int ldy, int ks) {
-    const int n0 = gemv_tile_index(blockIdx.x, ks) * TILE;
+    const int n0 = gemv_tile_index(blockIdx.x, ks) * GEMV_TILE;
     float out[4];
     if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
@@ -133,7 +136,7 @@ dense_gemv_bf16(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __
 // resident from the start, wait with their first f_b / g_b weights in flight, and compute
 // while the q|k|v tiles still stream: the gates cost no launch and no wave of their own. The
 // last gate block to finish (sync[1] counts them) zeroes both counters for the next call.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 3)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                bf16* __restrict__ gate_in, bf16* __restrict__ qkv_parts,
                bf16* __restrict__ qkv_proj,
@@ -143,14 +146,14 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                float* __restrict__ beta, int* __restrict__ sync, int N, int K, int M, int ldg,
                int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early,
                int ks_gate, int early_blocks, int proj_blocks) {
-    const int qkv = H * D, tiles = (N + TILE - 1) / TILE, first = 3 * qkv / TILE;
+    const int qkv = H * D, tiles = (N + GEMV_TILE - 1) / GEMV_TILE, first = 3 * qkv / GEMV_TILE;
     const int early = tiles - first;  // the f_a|g_a|b tiles, run first
     if (blockIdx.x < proj_blocks) {
         const bool is_early = blockIdx.x < early_blocks;
         const int s = is_early ? ks_early : ks;
         const int i = gemv_tile_index(is_early ? blockIdx.x : blockIdx.x - early_blocks, s);
-        const int n0 = is_early ? (i < early ? (first + i) * TILE : N)  // N: a spare warp
-                                : (i < first ? i * TILE : N);
+        const int n0 = is_early ? (i < early ? (first + i) * GEMV_TILE : N)  // N: a spare warp
+                                : (i < first ? i * GEMV_TILE : N);
         float out[4];
         if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
@@ -183,7 +186,7 @@ front_end_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
         for (int i = threadIdx.x; i < M * H; i += blockDim.x)
             beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
     } else {
-        const int n0 = gemv_tile_index(gb, ks_gate) * TILE;  // qkv % TILE == 0: all f or all g
+        const int n0 = gemv_tile_index(gb, ks_gate) * GEMV_TILE;  // qkv % GEMV_TILE == 0: all f or all g
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
         float out[4];

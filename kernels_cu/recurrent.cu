@@ -1,7 +1,7 @@
 // Decode tokens of one sequence, fused: conv (+SiLU, +L2 of q and k), the delta-rule step and
-// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). SPLIT
-// blocks share a head, each owning D/SPLIT rows of its state [Dv, Dk] fp32 (the only large
-// traffic), so the state streams through H x SPLIT blocks instead of H; every block computes
+// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). DECODE_SPLIT
+// blocks share a head, each owning D/DECODE_SPLIT rows of its state [Dv, Dk] fp32 (the only large
+// traffic), so the state streams through H x DECODE_SPLIT blocks instead of H; every block computes
 // the head's q, k and decay itself (they are small). K tokens cost one launch and one read and
 // write of the state instead of K; each token runs the same code, so K rows are bit-identical
 // to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
@@ -9,7 +9,6 @@
 #include "norm.cuh"
 
 #define ROWS_PER_WARP 8
-#define SPLIT 4  // blocks a head: each owns D/SPLIT state rows, so H x 4 blocks fill the GPU
 
 // A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of
 // the load instructions, which otherwise queue up behind each other (the state is the kernel's
@@ -38,7 +37,7 @@ __device__ __forceinline__ void decode_rows(
     float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
     int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
-    constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
+    constexpr int ROWS = D / DECODE_SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
     __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
     __shared__ int last;
     const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -56,16 +55,16 @@ __device__ __forceinline__ void decode_rows(
     if (warp < RW)
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
-    bf16 tap[MAX_W];
-    float wt[MAX_W];
+    bf16 tap[MAX_CONV_KERNEL];
+    float wt[MAX_CONV_KERNEL];
     if (p < 2 || mine_v) {
 #pragma unroll
-        for (int j = 0; j < MAX_W - 1; ++j) {
+        for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
             if (j >= W - 1) break;
             tap[j] = conv_state[(u64)j * conv_dim + c];
         }
 #pragma unroll
-        for (int j = 0; j < MAX_W; ++j) {
+        for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
             if (j >= W) break;
             wt[j] = conv_w[(u64)j * conv_dim + c];
         }
@@ -85,14 +84,14 @@ __device__ __forceinline__ void decode_rows(
         if (p < 2 || mine_v) {
             const bf16 xin = x[(u64)row * conv_dim + c];
 #pragma unroll
-            for (int j = 0; j < MAX_W; ++j)  // compile-time indices keep tap[] in registers
+            for (int j = 0; j < MAX_CONV_KERNEL; ++j)  // compile-time indices keep tap[] in registers
                 if (j == W - 1) tap[j] = xin;
             float acc = 0.0f;
 #pragma unroll
-            for (int j = 0; j < MAX_W; ++j)
+            for (int j = 0; j < MAX_CONV_KERNEL; ++j)
                 if (j < W) acc = __fmaf_rn(wt[j], bf2f(tap[j]), acc);
 #pragma unroll
-            for (int j = 0; j < MAX_W - 1; ++j)  // roll in registers
+            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // roll in registers
                 if (j < W - 1) tap[j] = tap[j + 1];
             y = acc * sigmoidf_(acc);
         } else if (p == 3) {
@@ -106,7 +105,7 @@ __device__ __forceinline__ void decode_rows(
         if (p < 2) {
             float ss = 0.0f;
             for (int i = 0; i < D / 32; ++i) ss += part[p * (D / 32) + i];
-            y = y * (1.0f / sqrtf(ss + 1e-6f));
+            y = y * (1.0f / sqrtf(ss + L2_NORM_EPS));
         }
         if (p < 2 || mine_v) {
             const bf16 r = f2bf(y);
@@ -147,17 +146,17 @@ __device__ __forceinline__ void decode_rows(
         }
         if (row < nsnap && owner)
 #pragma unroll
-            for (int j = 0; j < MAX_W - 1; ++j)
+            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
                 if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
         __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
     }
-    // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block to
+    // The gated RMSNorm needs the head's D outputs from all DECODE_SPLIT blocks: the last block to
     // finish (a counter per head, left at zero again) normalises every row, one warp a row, so
     // K rows pay one fence and one atomic, not K. It also stores the q/k conv state, which
     // every block read at its start.
     __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(&sync[h], 1) == SPLIT - 1;
+    if (tid == 0) last = atomicAdd(&sync[h], 1) == DECODE_SPLIT - 1;
     __syncthreads();
     if (last) {
         __threadfence();
@@ -173,7 +172,7 @@ __device__ __forceinline__ void decode_rows(
         }
         if (p < 2)
 #pragma unroll
-            for (int j = 0; j < MAX_W - 1; ++j)
+            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
                 if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
         if (tid == 0) sync[h] = 0;
     }
@@ -182,7 +181,7 @@ __device__ __forceinline__ void decode_rows(
         for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
     if (mine_v)
 #pragma unroll
-        for (int j = 0; j < MAX_W - 1; ++j)
+        for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
             if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
 }
 

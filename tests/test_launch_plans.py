@@ -1,6 +1,7 @@
 """The launch plans: GEMV share counts the kernels can take, a front end whose block counts
 cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to tiles by
-these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices."""
+these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices.
+The kernels' shared memory is checked against their sources in test_kernel_layouts.py."""
 
 from __future__ import annotations
 
@@ -42,14 +43,12 @@ def test_front_end_plan_covers_every_tile(preset):
     for tiles, shares, blocks in regions:
         per_block = GEMV_WARPS // shares
         assert (blocks - 1) * per_block < tiles <= blocks * per_block
-    assert launch.shared_mem == kernels.gemv_smem_bytes()
 
 
-def test_walk_fits_an_sm():
-    """The walk's block and shared memory fit one H200 SM (227 KB a block) at both head dims."""
+def test_walk_covers_every_state_row():
+    """The walk's blocks take whole WALK_ROWS slices of a head's state at both head dims."""
     for d in (64, 128):
-        assert kernels.walk_smem_bytes(d) <= 227 * 1024, d
-        assert d % kernels.WALK_ROWS == 0  # whole blocks of state rows a head
+        assert d % kernels.WALK_ROWS == 0, d
 
 
 def test_walk_refuses_a_device_without_warpgroup_mmas():
@@ -59,4 +58,4 @@ def test_walk_refuses_a_device_without_warpgroup_mmas():
     kn = Glm5NextKdaKernels(NoWgmma(), synthetic.preset_config("tiny"))
     with pytest.raises(KdaError, match=r"warpgroup MMAs, which .* lacks \(needs compute "
                                        r"capability 9\.0\)"):
-        kn.kda_chunk_inter(0, None, DevicePtr(64), 64)
+        kn.kda_chunk_inter(0, *[DevicePtr(64)] * 8, 64)

@@ -111,6 +111,7 @@ def test_chunk_phases_marks_every_phase_of_both_kernels(tmp_path):
     """chunk.cu marks each phase the tool names, the intra kernel's then the walk's, and its
     marked build compiles (where nvcc is on PATH, as in CI)."""
     from kdarun.backend import kernels_dir
+    from kdarun.kernels import compile_defines
     src = (kernels_dir() / "chunk.cu").read_text()
     walk = src.index("// ---- walk:")
     marks = lambda text: {int(m) for m in re.findall(r"PHASE\((\d+)\);", text)}  # noqa: E731
@@ -123,6 +124,6 @@ def test_chunk_phases_marks_every_phase_of_both_kernels(tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not on PATH")
     for arch in ("sm_90", "sm_90a"):
-        subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", chunk_phases.DEFINE, "-I",
+        subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", *compile_defines(), chunk_phases.DEFINE, "-I",
                         str(kernels_dir()), "-cubin", "-o", str(tmp_path / "marked.cubin"),
                         str(kernels_dir() / "chunk.cu")], check=True, capture_output=True)

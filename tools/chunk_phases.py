@@ -44,14 +44,14 @@ def main() -> int:
     from kdarun import open_backend, synthetic
     from kdarun.bench import median_ms, random_layer
     from kdarun.config import CHUNK
-    from kdarun.kernels import WALK_ROWS
+    from kdarun.kernels import WALK_ROWS, compile_defines
 
     gpu = open_backend("cuda")
     cfg = synthetic.preset_config(args.preset, args.gate)
     T = args.tokens
     layer, ws, state, h = random_layer(gpu, cfg, T, 0)
     layer.prefill(gpu, h, T, state, ws, 0)  # the kernels' inputs
-    steps = layer.prefill_steps(h, T, state, ws)
+    steps = {step.name: step.run for step in layer.prefill_steps(h, T, state, ws)}
     kernels = (("kda_chunk_intra", steps["chunk_intra"], INTRA_PHASES, 0,
                 cfg.t_pad(T) // CHUNK * cfg.num_heads, "blocks"),
                ("kda_chunk_inter", steps["chunk_inter"], WALK_PHASES, WALK_FIRST,
@@ -59,7 +59,8 @@ def main() -> int:
                 "chunks of a block"))
     plain = [median_ms(gpu, lambda: run(0), 0, 10, 3) for _, run, *_ in kernels]
 
-    marked_module = layer.kernels.modules["chunk"] = gpu.load_module("chunk", (DEFINE,))
+    marked_module = layer.kernels.modules["chunk"] = gpu.load_module(
+        "chunk", (*compile_defines(), DEFINE))
     counters = gpu.module_global(marked_module, "phase_cycles")  # unsigned long long [16]
     print(f"{gpu.device_name}, {args.preset} T={T}:")
     for (name, run, phases, first, units, unit), ms in zip(kernels, plain):

@@ -28,7 +28,7 @@ def cuda():
 def gpu_ckpts(tmp_path_factory) -> dict[str, str]:
     """Checkpoints the GPU tests run on: both gates at D=64 (tiny, conv width 4), a D=128 stack
     with an odd hidden size and conv width 3 (the prefill conv's generic kernel; width 4 has
-    its own), and extreme gates."""
+    its own). The extreme gates have their own checkpoints in test_prefill_gpu.py."""
     specs = {
         "softplus": synthetic.preset_config("tiny", "softplus", layers=4),
         "bounded": synthetic.preset_config("tiny", "bounded", layers=4, lower_bound=-3.0),
