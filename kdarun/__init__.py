@@ -2,9 +2,9 @@
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
 from .backends import open_backend
-from .errors import KdaError
 from .checkpoint import Checkpoint
 from .config import CHUNK, Glm5NextKdaConfig
+from .errors import KdaError
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer, Stage, prefill_windowed
 from .loader import KdaStack, load_stack

@@ -17,13 +17,13 @@ from . import synthetic
 from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
+from .dtypes import BF16, F32
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer, Step
 from .loader import release_bound
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
 from .weights import Glm5NextKdaWeights
-from .dtypes import BF16, F32
 from .workspace import Glm5NextKdaWorkspace
 
 DECODE_LAYERS = 4

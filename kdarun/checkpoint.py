@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 from safetensors import safe_open
 
-from .errors import KdaError
 from .config import Glm5NextKdaConfig
+from .errors import KdaError
 
 PREFIX = "model.layers.{i}.self_attn."
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import click
 
 from . import synthetic
 from .backends import open_backend
-from .errors import KdaError
 from .checkpoint import TENSORS, Checkpoint, tensor_name
+from .errors import KdaError
 from .loader import load_stack
 from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,
                   reference_run, run_layer, write_output)
@@ -26,6 +27,34 @@ def _fail(e: KdaError) -> None:
 def _table(rows: list[tuple[str, str]]) -> str:
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
+
+
+# Options that say where a run's results go, not what it computes: a repeat leaves them out.
+_NOT_REPEATED = {"output_path", "dump_dir", "as_json"}
+
+
+def _repeat_command(**resolved) -> str:
+    """The command line that repeats the current run: every argument and option the command
+    has, at the value this run used (`resolved` overrides values worked out from defaults),
+    paths made absolute. Built from the command's own parameters, so a new option repeats
+    without being added here."""
+    ctx = click.get_current_context()
+    words = ["kdarun", ctx.info_name]
+    for param in ctx.command.params:
+        if param.name in _NOT_REPEATED:
+            continue
+        value = resolved.get(param.name, ctx.params.get(param.name))
+        if value is None or value is False:
+            continue
+        if isinstance(param.type, click.Path):
+            value = str(Path(value).resolve())
+        if isinstance(param, click.Argument):
+            words.append(str(value))
+        elif param.is_flag:
+            words.append(param.opts[0])
+        else:
+            words += [param.opts[0], str(value)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 @click.group()
@@ -81,11 +110,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
                    plan=vars(plan), config=cfg.to_hf(),
                    input={"path": str(Path(input_path).resolve())} if input_path else "random",
-                   command=" ".join(["kdarun", "layer-run"] + ([checkpoint] if checkpoint else [])
-                                    + ["--layer", str(layer_idx), "--tokens", str(plan.prefill),
-                                       "--decode-steps", str(plan.decode_steps), "--k",
-                                       str(plan.k), "--backend", gpu.name, "--seed", str(seed)]
-                                    + (["--input", input_path] if input_path else [])))
+                   command=_repeat_command(layer_idx=layer_idx, tokens=plan.prefill,
+                                           backend=gpu.name))
         if recorder is not None:
             write_dump(dump_dir, recorder, hidden, run)
         if output_path:

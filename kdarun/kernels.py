@@ -11,8 +11,8 @@ import functools
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
-from .errors import KdaError
 from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .errors import KdaError
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Iterable
 
 from .backend import GpuBackend
-from .errors import KdaError
 from .checkpoint import Checkpoint
 from .config import Glm5NextKdaConfig
+from .errors import KdaError
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer
 from .weights import Glm5NextKdaWeights

@@ -14,10 +14,10 @@ import numpy as np
 
 from . import reference, synthetic
 from .backend import GpuBackend
+from .dtypes import BF16
 from .errors import KdaError
 from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
-from .dtypes import BF16
 
 
 

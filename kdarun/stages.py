@@ -23,8 +23,8 @@ from safetensors.numpy import load_file, save_file
 
 from . import reference
 from .backend import GpuBackend
-from .errors import KdaError
 from .config import Glm5NextKdaConfig
+from .errors import KdaError
 from .layer import Stage
 from .run import RunPlan, compare
 from .state import CONV_TOL, RECURRENT_TOL, conv_shape, recurrent_shape

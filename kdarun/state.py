@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import GpuBackend
-from .errors import KdaError
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
+from .errors import KdaError
 
 
 RECURRENT_LAYOUT = "[H, Dv, Dk]"

@@ -16,9 +16,9 @@ from typing import Callable
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend
-from .errors import KdaError
-from .dtypes import BF16, F32, I32, U32
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .dtypes import BF16, F32, I32, U32
+from .errors import KdaError
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]

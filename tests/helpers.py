@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from kdarun import KdaSeqState, prefill_windowed, reference
+from kdarun.dtypes import BF16
 from kdarun.loader import load_stack
 from kdarun.run import compare, random_hidden
 from kdarun.state import conv_shape, recurrent_shape
-from kdarun.dtypes import BF16
 
 GATES = ("softplus", "bounded")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kdarun import KdaError, reference
-from kdarun.run import random_hidden
 from kdarun.dtypes import BF16
+from kdarun.run import random_hidden
 
 from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env,
                       assert_decode_k_matches_serial, assert_windowed_matches_one, bits, rel)

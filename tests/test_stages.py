@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -100,6 +101,18 @@ def test_manifest_repeats_the_run(dump, tmp_path):
     assert a.keys == b.keys
     for k in a.keys:
         assert np.array_equal(a.tensors[k].view(np.uint8), b.tensors[k].view(np.uint8)), k
+
+
+def test_repeat_command_names_every_option_of_the_run(dump):
+    """The repeat command is built from layer-run's own parameters: every one that shapes the
+    run appears (a new option cannot be forgotten), and where results go does not."""
+    from kdarun.cli import _NOT_REPEATED, layer_run
+    words = shlex.split(json.loads((dump / "manifest.json").read_text())["run"]["command"])
+    for param in layer_run.params:
+        if isinstance(param, click.Option) and param.name not in _NOT_REPEATED and not (
+                param.is_flag or param.name == "input_path"):  # unset here: random input
+            assert param.opts[0] in words, param.opts[0]
+    assert not {"--dump-stages", "--output", "--json"} & set(words)
 
 
 def test_bad_use(dump, tmp_path):

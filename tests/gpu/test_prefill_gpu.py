@@ -8,9 +8,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
+from kdarun.dtypes import BF16
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
-from kdarun.dtypes import BF16
 
 from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, assert_windowed_matches_one,
                        bits, rel)
