@@ -140,20 +140,23 @@ class CupyBackend(GpuBackend):
         (such as chunk.cu's phase counters in its marked build)."""
         return DevicePtr(module.raw.get_global(name).ptr)
 
+    def shared_bytes(self, module: "_Module", kernel: str) -> int:
+        """A kernel's dynamic shared memory: the `<kernel>_smem` int its source exports, 0
+        where it exports none (it takes none)."""
+        try:
+            at = self.module_global(module, f"{kernel}_smem")
+        except cp.cuda.driver.CUDADriverError:
+            return 0
+        word = np.zeros(1, np.int32)
+        cp.cuda.runtime.memcpy(word.ctypes.data, int(at), word.nbytes, _D2H)
+        return int(word[0])
+
     def _function(self, module: "_Module", kernel: str) -> tuple[Any, int]:
-        """A kernel's function and its dynamic shared memory: the `<kernel>_smem` int its
-        source exports (0 where it exports none), allowed on the function once, here."""
+        """A kernel's function and its dynamic shared memory, allowed on the function once,
+        here, when it is first launched."""
         key = (module.family, kernel)
         if key not in self._functions:
-            fn = module.raw.get_function(kernel)
-            try:
-                smem_at = self.module_global(module, f"{kernel}_smem")
-            except cp.cuda.driver.CUDADriverError:  # the kernel takes no dynamic shared memory
-                smem = 0
-            else:
-                word = np.zeros(1, np.int32)
-                cp.cuda.runtime.memcpy(word.ctypes.data, int(smem_at), 4, _D2H)
-                smem = int(word[0])
+            fn, smem = module.raw.get_function(kernel), self.shared_bytes(module, kernel)
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
             self._functions[key] = (fn, smem)
