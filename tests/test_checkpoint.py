@@ -24,6 +24,7 @@ MINIMAL = {
 def test_minimal_config_and_1_based_layers():
     cfg = Glm5NextKdaConfig.from_hf(MINIMAL)
     assert cfg.kda_layers == (0, 1, 2) and cfg.full_attn_layers == (3,)
+    assert cfg.layout == "kimi_linear"
     assert cfg.gate_form == "softplus" and cfg.qkv == 256 and cfg.conv_dim == 768
     bounded = json.loads(json.dumps(MINIMAL))
     bounded["linear_attn_config"]["gate_lower_bound"] = -5.0
@@ -44,7 +45,7 @@ def test_real_kimi_config_extra_fields_are_ignored():
     (lambda c: c["linear_attn_config"].pop("num_heads"), "missing field linear_attn_config.num_heads"),
     (lambda c: c.update(hidden_size=250), "hidden_size must be a multiple of 8 .* got 250"),
     (lambda c: c["linear_attn_config"].update(head_dim=96), r"head_dim must be one of \(64, 128\), got 96"),
-    (lambda c: c["linear_attn_config"].update(gate_lower_bound=-7.0), r"gate_lower_bound must be a number in \[-5, 0\) or absent, got -7.0"),
+    (lambda c: c["linear_attn_config"].update(gate_lower_bound=-7.0), r"gate_lower_bound must be a number in \[-5, 0\) or absent/None, got -7.0"),
     (lambda c: c["linear_attn_config"].update(kda_layers=[0, 1]), r"kda_layers are 1-based and must lie in \[1, 4\], got \[0\]"),
     (lambda c: c["linear_attn_config"].update(kda_layers=[1, 4]), r"must be disjoint, got \[3\]"),
     (lambda c: c.update(rms_norm_eps=0), r"rms_norm_eps must be a number in \(0, 1\), got 0"),
