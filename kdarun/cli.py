@@ -11,7 +11,7 @@ import click
 from . import synthetic
 from .backends import open_backend
 from .errors import KdaError
-from .checkpoint import TENSORS, Checkpoint, tensor_name
+from .checkpoint import Checkpoint
 from .loader import load_stack
 from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,
                   reference_run, run_layer, write_output)
@@ -175,7 +175,7 @@ def make_checkpoint(out, preset, gate, lower_bound, layers, shards, seed) -> Non
 @main.command("inspect")
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 def inspect_cmd(checkpoint) -> None:
-    """Show a checkpoint's KDA config, layers and tensors, and any problems found."""
+    """Show a checkpoint's layout, KDA config, layers and tensors, and any problems found."""
     try:
         ckpt = Checkpoint(checkpoint)
     except KdaError as e:
@@ -183,6 +183,7 @@ def inspect_cmd(checkpoint) -> None:
     cfg = ckpt.config
     click.echo(f"checkpoint {checkpoint}")
     click.echo(_table([
+        ("layout", f"{ckpt.layout} (layers under {ckpt.prefix})"),
         ("hidden_size", str(cfg.hidden_size)),
         ("heads x head_dim", f"{cfg.num_heads} x {cfg.head_dim} (qkv {cfg.qkv})"),
         ("conv kernel", str(cfg.conv_kernel)),
@@ -190,16 +191,20 @@ def inspect_cmd(checkpoint) -> None:
                                   else f" (lower bound {cfg.gate_lower_bound})")),
         ("rms_norm_eps", f"{cfg.rms_norm_eps:g}"),
         ("layers", f"{cfg.num_hidden_layers}: {len(cfg.kda_layers)} KDA, "
-                   f"{len(cfg.full_attn_layers)} full attention"),
-        ("KDA layers (0-based)", ", ".join(map(str, cfg.kda_layers))),
+                   f"{len(cfg.full_attn_layers)} attention"),
+        (f"KDA layers (0-based, {len(cfg.kda_layers)})", ", ".join(map(str, cfg.kda_layers))),
     ]))
     first = cfg.kda_layers[0]
-    click.echo(f"tensors of layer {first} (every KDA layer has the same set):")
-    for spec in TENSORS:
-        name = tensor_name(first, spec.name)
-        where = ckpt.weight_map.get(name)
-        click.echo(f"  {name}  expected {list(spec.shapes(cfg)[0])} "
-                   f"{'/'.join(spec.dtypes)}  {'in ' + where.name if where else 'MISSING'}")
+    try:
+        spelling, stored = ckpt.layer_spelling(first), ckpt.stored_tensors(first)
+    except KdaError:  # a layer of two spellings: listed under problems below
+        spelling, stored = "mixed", []
+    click.echo(f"tensors of layer {first}, {spelling} spelling (every KDA layer has the same "
+               "set):")
+    for s in stored:
+        where = ckpt.weight_map.get(s.name)
+        click.echo(f"  {s.name}  expected {list(s.shapes(cfg)[0])} "
+                   f"{'/'.join(s.dtypes)}  {'in ' + where.name if where else 'MISSING'}")
     problems = ckpt.problems()
     click.echo(f"problems: {len(problems) or 'none'}")
     for p in problems:
