@@ -10,6 +10,7 @@ import click
 
 from . import synthetic
 from .backends import open_backend
+from .config import LAYOUTS
 from .errors import KdaError
 from .checkpoint import Checkpoint
 from .loader import load_stack
@@ -152,24 +153,33 @@ def stages_cmd(dump, against, use_reference, only, as_json) -> None:
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="tiny",
               show_default=True)
-@click.option("--gate", type=click.Choice(synthetic.GATES), default="softplus", show_default=True)
+@click.option("--gate", type=click.Choice(synthetic.GATES), default=None,
+              help="Gate form (default: the preset's own; bounded for glm-5.3-flash, else "
+                   "softplus).")
 @click.option("--lower-bound", type=float, default=synthetic.DEFAULT_LOWER_BOUND,
               show_default=True, help="gate_lower_bound of the bounded gate.")
 @click.option("--layers", type=int, default=synthetic.DEFAULT_LAYERS, show_default=True,
-              help="Layers in the stack (every 4th is full attention).")
-@click.option("--shards", type=int, default=1, show_default=True)
+              help="Layers in the stack (every 4th is attention).")
+@click.option("--layout", type=click.Choice(LAYOUTS), default=None,
+              help="Checkpoint layout (default: the preset's own; glm5_next for glm-5.3-flash, "
+                   "else kimi_linear).")
+@click.option("--shards", type=int, default=None,
+              help="Files the layers are spread over, with an index when more than one "
+                   "(default: the preset's own, at most one a layer; 4 for glm-5.3-flash, "
+                   "else 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_checkpoint(out, preset, gate, lower_bound, layers, shards, seed) -> None:
-    """Write a seeded synthetic checkpoint in the HF Kimi Linear layout to OUT."""
+def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed) -> None:
+    """Write a seeded synthetic checkpoint in the HF Kimi Linear or GLM-5.3-Flash layout to
+    OUT."""
+    if shards is None:
+        shards = min(synthetic.PRESETS[preset].shards, layers)
     try:
-        cfg = synthetic.preset_config(preset, gate, layers, lower_bound)
+        cfg = synthetic.preset_config(preset, gate, layers, lower_bound, layout)
+        path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
     except (KdaError, ValueError) as e:
         raise click.ClickException(str(e))
-    if shards < 1:
-        raise click.ClickException(f"--shards must be >= 1, got {shards}")
-    path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
-    click.echo(f"wrote {path}: preset {preset}, {gate} gate, {layers} layers "
-               f"({len(cfg.kda_layers)} KDA), {shards} shard(s)")
+    click.echo(f"wrote {path}: preset {preset}, {cfg.layout} layout, {cfg.gate_form} gate, "
+               f"{layers} layers ({len(cfg.kda_layers)} KDA), {shards} shard(s)")
 
 
 @main.command("inspect")

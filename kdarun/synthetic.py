@@ -41,7 +41,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(hidden_size=256, num_heads=4, head_dim=64),
     "kimi-linear-48b": Preset(hidden_size=2304, num_heads=32, head_dim=128),
-    "large": Preset(hidden_size=6144, num_heads=64, head_dim=128),
+    "glm-5.3-flash": Preset(hidden_size=4096, num_heads=64, head_dim=128, layout="glm5_next",
+                            gate="bounded", shards=4),
 }
 GATES = ("softplus", "bounded")
 DEFAULT_LAYERS = 45

@@ -46,10 +46,9 @@ def copy(d: dict) -> dict:
     return json.loads(json.dumps(d))
 
 
-def test_release_config():
+def test_release_config_is_the_preset():
     cfg = Glm5NextKdaConfig.from_hf(RELEASE)
-    assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.conv_kernel) == (4096, 64, 128, 4)
-    assert (cfg.rms_norm_eps, cfg.gate_lower_bound, cfg.num_hidden_layers) == (1e-5, -5.0, 45)
+    assert cfg == synthetic.preset_config("glm-5.3-flash")
     assert cfg.layout == "glm5_next" and len(cfg.kda_layers) == 34 and cfg.gate_form == "bounded"
     assert 3 not in cfg.kda_layers and 44 in cfg.kda_layers and len(cfg.full_attn_layers) == 11
     assert Glm5NextKdaConfig.from_hf(cfg.to_hf()) == cfg
