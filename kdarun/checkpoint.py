@@ -59,7 +59,7 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("o_norm.weight", lambda c: ((c.head_dim,),), _SMALL),
     TensorSpec("o_proj.weight", lambda c: ((c.hidden_size, c.qkv),), _MAT),
 )
-SPEC = {s.name: s for s in TENSORS}
+_BY_NAME = {s.name: s for s in TENSORS}
 
 # The one name-mapping table: spelling -> {name under `self_attn.` -> the TENSORS it holds}.
 # A fused tensor holds several, stacked along dim 0 in the order listed.
@@ -201,8 +201,9 @@ class Checkpoint:
 
     def stored_tensors(self, layer_idx: int) -> list[StoredTensor]:
         """The tensors layer `layer_idx` must store, in its spelling."""
-        return [StoredTensor(self.tensor_name(layer_idx, short), tuple(SPEC[h] for h in holds))
-                for short, holds in SPELLINGS[self.layer_spelling(layer_idx)].items()]
+        spelling = SPELLINGS[self.layer_spelling(layer_idx)]
+        return [StoredTensor(self.tensor_name(layer_idx, short), tuple(_BY_NAME[h] for h in holds))
+                for short, holds in spelling.items()]
 
     def _read_layer(self, layer_idx: int) -> list[tuple[StoredTensor, np.ndarray]]:
         """Layer `layer_idx`'s stored tensors, each checked, dtypes as stored."""

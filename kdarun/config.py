@@ -60,7 +60,7 @@ class Glm5NextKdaConfig:
     num_hidden_layers: int = 1
     kda_layers: tuple[int, ...] = (0,)
     full_attn_layers: tuple[int, ...] = ()
-    layout: str = "kimi_linear"  # one of LAYOUTS: how `to_hf` writes it and the checkpoint stores it
+    layout: str = "kimi_linear"  # one of LAYOUTS: how config.json and the tensors are laid out
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str, actual: Any) -> KdaError:

@@ -71,7 +71,8 @@ def test_every_attention_family_spelling_is_accepted():
     families = ["full_attention", "indexed_attention", "deepseek_sparse_attention"]
     cfg["text_config"]["layer_types"] = ["linear_attention" if i % 4 != 3 else families[i % 3]
                                          for i in range(45)]
-    assert Glm5NextKdaConfig.from_hf(cfg).kda_layers == Glm5NextKdaConfig.from_hf(RELEASE).kda_layers
+    want = Glm5NextKdaConfig.from_hf(RELEASE).kda_layers
+    assert Glm5NextKdaConfig.from_hf(cfg).kda_layers == want
 
 
 def _set(path: str, value):
@@ -85,7 +86,7 @@ def _set(path: str, value):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (_set("text_config.layer_types", ["linear_attention"] * 7 + ["mamba2"] + ["linear_attention"] * 37),
+    (_set("text_config.layer_types", ["linear_attention"] * 7 + ["mamba2"] * 38),
      r"text_config.layer_types\[7\] is 'mamba2', expected one of \['linear_attention', "
      r"'full_attention', 'indexed_attention', 'deepseek_sparse_attention'\]"),
     (_set("text_config.layer_types", ["linear_attention"] * 44),
@@ -155,7 +156,8 @@ def test_every_variant_reads_the_same_tensors(written):
     assert f"{GLM}1.self_attn.forget_gate.A_log" in stored
     assert f"{GLM}1.self_attn.q_conv1d.weight" not in stored
     assert Checkpoint(written["glm_transformers"]).layer_spelling(1) == "transformers"
-    flat, fused = (load_file(f"{written[n]}/model.safetensors") for n in ("glm", "glm_transformers"))
+    flat, fused = (load_file(f"{written[n]}/model.safetensors")
+                   for n in ("glm", "glm_transformers"))
     qkv = np.concatenate([flat[tensor_name(GLM, 1, f"{p}_conv1d.weight")] for p in "qkv"])
     assert np.array_equal(bits(fused[f"{GLM}1.self_attn.conv1d.weight"]), bits(qkv))  # q|k|v
 
@@ -179,7 +181,8 @@ def test_both_layouts_run_to_identical_bits(written):
 
 def test_config_spellings_load_from_disk(written, tmp_path):
     want = Checkpoint(written["glm"]).layer_tensors(2)
-    for name, cfg in (("flat", {"model_type": "glm5_next", **tiny("glm5_next").to_hf()["text_config"]}),
+    text = tiny("glm5_next").to_hf()["text_config"]
+    for name, cfg in (("flat", {"model_type": "glm5_next", **text}),
                       ("transformers", {"model_type": "glm5_next_text", "hidden_size": 256,
                                         "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
                                         "linear_num_heads": 4, "linear_head_dim": 64,
@@ -213,7 +216,8 @@ def test_hf_cache_snapshot_of_symbolic_links(written, tmp_path):
     shard = snap / "model-00002-of-00002.safetensors"
     (repo / "blobs" / os.readlink(shard).split("/")[-1]).unlink()  # an unfinished download
     with pytest.raises(KdaError, match=r"shard missing: .*model-00002-of-00002.safetensors \(a "
-                                       r"symbolic link to \.\./\.\./blobs/[0-9a-f]+, which is missing\)"):
+                                       r"symbolic link to \.\./\.\./blobs/[0-9a-f]+, which is "
+                                       r"missing\)"):
         ck.layer_tensors(2)
 
 
