@@ -1,14 +1,20 @@
 """Reading KDA tensors from an HF-layout safetensors checkpoint, lazily.
 
 A checkpoint is a directory with `config.json` and either `model.safetensors` or a
-sharded `model.safetensors.index.json`. Only the attention tensors of the KDA layers are
-read, one layer at a time; every tensor's shape and dtype are checked against
-`TENSORS` before its data is touched.
+sharded `model.safetensors.index.json`; its files may be symbolic links (a Hugging Face
+cache snapshot links them into `../../blobs/`). The KDA layers live under one of
+`LAYER_PREFIXES` (`model.layers.` in Kimi Linear, `model.language_model.layers.` in
+GLM-5.3-Flash) and spell their attention tensors one of two ways (`SPELLINGS`): the
+released checkpoints' flat names with three separate convs, or transformers' module tree
+(`forget_gate.*` and one fused `conv1d`). Only the attention tensors of the KDA layers are
+read, one layer at a time; every tensor's shape and dtype are checked before its data is
+touched.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,12 +25,16 @@ from safetensors import safe_open
 from .config import Glm5NextKdaConfig
 from .errors import KdaError
 
-PREFIX = "model.layers.{i}.self_attn."
+LAYER_PREFIXES = {"kimi_linear": "model.layers.", "glm5_next": "model.language_model.layers."}
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FP8_SCALE_SUFFIX = ".weight_scale_inv"  # block-FP8 checkpoints store each weight's scales here
+NOT_BF16_HINT = ("the KDA projections must be bf16: the checkpoint's quantization_config "
+                 "should list them in modules_to_not_convert")
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor: its accepted shapes (first is canonical) and dtypes."""
+    """One tensor as kdarun uses it: its accepted shapes (first is canonical) and dtypes."""
     name: str
     shapes: Callable[[Glm5NextKdaConfig], tuple[tuple[int, ...], ...]]
     dtypes: tuple[str, ...]
@@ -49,10 +59,47 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("o_norm.weight", lambda c: ((c.head_dim,),), _SMALL),
     TensorSpec("o_proj.weight", lambda c: ((c.hidden_size, c.qkv),), _MAT),
 )
+_BY_NAME = {s.name: s for s in TENSORS}
+
+# The one name-mapping table: spelling -> {name under `self_attn.` -> the TENSORS it holds}.
+# A fused tensor holds several, stacked along dim 0 in the order listed.
+_TRANSFORMERS_OWN = {
+    "forget_gate.f_a_proj.weight": ("f_a_proj.weight",),
+    "forget_gate.f_b_proj.weight": ("f_b_proj.weight",),
+    "forget_gate.A_log": ("A_log",),
+    "forget_gate.dt_bias": ("dt_bias",),
+    "conv1d.weight": ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+}
+_RENAMED = {held for names in _TRANSFORMERS_OWN.values() for held in names}
+SPELLINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "flat": {s.name: (s.name,) for s in TENSORS},
+    "transformers": {**{s.name: (s.name,) for s in TENSORS if s.name not in _RENAMED},
+                     **_TRANSFORMERS_OWN},
+}
+# The names only one spelling uses: a layer holding names of two spellings is refused.
+_OWN_NAMES = {sp: set(names) - {n for other, o in SPELLINGS.items() if other != sp for n in o}
+              for sp, names in SPELLINGS.items()}
 
 
-def tensor_name(layer_idx: int, short: str) -> str:
-    return PREFIX.format(i=layer_idx) + short
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as the checkpoint stores it: its full name and the TENSORS it holds
+    (a fused tensor holds several, stacked along dim 0)."""
+    name: str
+    holds: tuple[TensorSpec, ...]
+
+    def shapes(self, cfg: Glm5NextKdaConfig) -> tuple[tuple[int, ...], ...]:
+        n = len(self.holds)
+        return tuple((n * s[0],) + s[1:] for s in self.holds[0].shapes(cfg))
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self.holds[0].dtypes
+
+
+def tensor_name(prefix: str, layer_idx: int, short: str) -> str:
+    """The full name of attention tensor `short` of layer `layer_idx` under `prefix`."""
+    return f"{prefix}{layer_idx}.self_attn.{short}"
 
 
 def canonical(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -65,7 +112,8 @@ def canonical(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[st
 
 
 class Checkpoint:
-    """An opened checkpoint directory: its config and a lazy per-layer tensor reader."""
+    """An opened checkpoint directory: its config (whose `layout` says which of the two
+    config layouts it is), the prefix its layers live under, and a lazy per-layer reader."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -73,6 +121,15 @@ class Checkpoint:
             raise KdaError(f"checkpoint: {self.path} is not a directory")
         self.config = Glm5NextKdaConfig.from_json(self.path / "config.json")
         self.weight_map = self._read_weight_map()
+        self.prefix = self._find_prefix()
+
+    @property
+    def layout(self) -> str:
+        """The layout of `config.json`: "kimi_linear" or "glm5_next"."""
+        return self.config.layout
+
+    def tensor_name(self, layer_idx: int, short: str) -> str:
+        return tensor_name(self.prefix, layer_idx, short)
 
     def _read_weight_map(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
@@ -88,12 +145,30 @@ class Checkpoint:
         raise KdaError(f"checkpoint {self.path}: neither model.safetensors nor "
                        "model.safetensors.index.json found")
 
+    def _find_prefix(self) -> str:
+        """The one of `LAYER_PREFIXES` the KDA layers' attention tensors live under."""
+        kda = {str(i) for i in self.config.kda_layers}
+        found = sorted({p for p in LAYER_PREFIXES.values() for n in self.weight_map
+                        if n.startswith(p) and n[len(p):].split(".", 1)[0] in kda
+                        and ".self_attn." in n})
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise KdaError(f"checkpoint {self.path}: no KDA layer's attention tensors under "
+                           f"{' or '.join(LAYER_PREFIXES.values())} (0-based KDA layers: "
+                           f"{list(self.config.kda_layers)})")
+        raise KdaError(f"checkpoint {self.path}: KDA layers' tensors under both {found}; "
+                       "expected one prefix")
+
     @staticmethod
     def _open(file: Path):
+        """Open one shard, following symbolic links (a Hugging Face cache's blobs)."""
         if not file.exists():
-            raise KdaError(f"checkpoint shard missing: {file}")
+            link = (f" (a symbolic link to {os.readlink(file)}, which is missing)"
+                    if file.is_symlink() else "")
+            raise KdaError(f"checkpoint shard missing: {file}{link}")
         try:
-            return safe_open(str(file), framework="numpy")
+            return safe_open(str(file.resolve()), framework="numpy")
         except Exception as e:  # safetensors raises its own error type for corrupt files
             raise KdaError(f"{file}: not a readable safetensors file ({e})") from None
 
@@ -101,50 +176,90 @@ class Checkpoint:
         with self._open(file) as f:
             return list(f.keys())
 
-    def layer_tensors(self, layer_idx: int) -> dict[str, np.ndarray]:
-        """All KDA tensors of layer `layer_idx` (0-based), keyed by their short name,
-        shapes canonical (`A_log` as `[H]`, conv weights `[qkv, W]`), dtypes as stored."""
+    def _layer_names(self, layer_idx: int) -> list[str]:
+        """Every tensor name under layer `layer_idx`'s `self_attn.`, short (prefix removed)."""
         cfg = self.config
         if layer_idx not in cfg.kda_layers:
             raise KdaError(f"layer {layer_idx} is not a KDA layer of {self.path} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
-        prefix = PREFIX.format(i=layer_idx)
-        known = {tensor_name(layer_idx, spec.name) for spec in TENSORS}
-        extra = sorted(n for n in self.weight_map if n.startswith(prefix) and n not in known)
+        lp = self.tensor_name(layer_idx, "")
+        return sorted(n[len(lp):] for n in self.weight_map if n.startswith(lp))
+
+    def layer_spelling(self, layer_idx: int) -> str:
+        """The spelling (a key of `SPELLINGS`) of layer `layer_idx`'s tensors; a layer holding
+        names of two spellings is refused."""
+        names = set(self._layer_names(layer_idx))
+        found = {sp: sorted(names & own) for sp, own in _OWN_NAMES.items() if names & own}
+        if len(found) > 1:
+            held = "; ".join(f"{sp}: {[self.tensor_name(layer_idx, n) for n in ns]}"
+                             for sp, ns in found.items())
+            raise KdaError(f"checkpoint {self.path}: layer {layer_idx} mixes tensor spellings "
+                           f"({held}); a layer spells its gate and conv one way: flat "
+                           "(f_a_proj, A_log, q/k/v_conv1d, ...) or transformers' "
+                           "(forget_gate.*, one fused conv1d)")
+        return next(iter(found), "flat")
+
+    def stored_tensors(self, layer_idx: int) -> list[StoredTensor]:
+        """The tensors layer `layer_idx` must store, in its spelling."""
+        spelling = SPELLINGS[self.layer_spelling(layer_idx)]
+        return [StoredTensor(self.tensor_name(layer_idx, short), tuple(_BY_NAME[h] for h in holds))
+                for short, holds in spelling.items()]
+
+    def _read_layer(self, layer_idx: int) -> list[tuple[StoredTensor, np.ndarray]]:
+        """Layer `layer_idx`'s stored tensors, each checked, dtypes as stored."""
+        stored = self.stored_tensors(layer_idx)
+        names = [self.tensor_name(layer_idx, n) for n in self._layer_names(layer_idx)]
+        scales = [n for n in names if n.endswith(FP8_SCALE_SUFFIX)]
+        if scales:
+            raise KdaError(f"checkpoint {self.path}: layer {layer_idx} is block-FP8 quantized "
+                           f"(scale tensors {scales}); {NOT_BF16_HINT}")
+        known = {s.name for s in stored}
+        extra = [n for n in names if n not in known]
         if extra:  # e.g. a bias kdarun does not apply: running without it would be silently wrong
             raise KdaError(f"checkpoint {self.path}: layer {layer_idx} has tensors kdarun does "
                            f"not implement: {extra}")
-        out: dict[str, np.ndarray] = {}
-        by_file: dict[Path, list[TensorSpec]] = {}
-        for spec in TENSORS:
-            name = tensor_name(layer_idx, spec.name)
-            if name not in self.weight_map:
-                raise KdaError(f"checkpoint {self.path}: missing tensor {name}")
-            by_file.setdefault(self.weight_map[name], []).append(spec)
+        by_file: dict[Path, list[StoredTensor]] = {}
+        for s in stored:
+            if s.name not in self.weight_map:
+                raise KdaError(f"checkpoint {self.path}: missing tensor {s.name}")
+            by_file.setdefault(self.weight_map[s.name], []).append(s)
+        out: list[tuple[StoredTensor, np.ndarray]] = []
         for file, specs in by_file.items():
             with self._open(file) as f:
                 keys = set(f.keys())
-                for spec in specs:
-                    name = tensor_name(layer_idx, spec.name)
-                    if name not in keys:
-                        raise KdaError(f"{file}: missing tensor {name} (the index points here)")
-                    out[spec.name] = self._read_checked(f, file, name, spec)
-        return canonical(cfg, out)
+                for s in specs:
+                    if s.name not in keys:
+                        raise KdaError(f"{file}: missing tensor {s.name} (the index points here)")
+                    out.append((s, self._read_checked(f, file, s)))
+        return out
 
-    def _read_checked(self, f, file: Path, name: str, spec: TensorSpec) -> np.ndarray:
-        sl = f.get_slice(name)
+    def layer_tensors(self, layer_idx: int) -> dict[str, np.ndarray]:
+        """All KDA tensors of layer `layer_idx` (0-based), keyed by their `TENSORS` name
+        whatever the spelling (a fused conv split into q, k, v), shapes canonical (`A_log`
+        as `[H]`, conv weights `[qkv, W]`), dtypes as stored."""
+        out: dict[str, np.ndarray] = {}
+        for s, arr in self._read_layer(layer_idx):
+            for spec, part in zip(s.holds, np.split(arr, len(s.holds))):
+                out[spec.name] = np.ascontiguousarray(part)
+        return canonical(self.config, out)
+
+    def _read_checked(self, f, file: Path, s: StoredTensor) -> np.ndarray:
+        sl = f.get_slice(s.name)
         shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-        shapes = spec.shapes(self.config)
+        shapes = s.shapes(self.config)
+        if dtype in FP8_DTYPES:
+            raise KdaError(f"{file}: tensor {s.name} is stored as FP8 ({dtype}), expected "
+                           f"{' or '.join(s.dtypes)}; {NOT_BF16_HINT}")
         if shape not in shapes:
-            want = " or ".join(str(list(s)) for s in shapes)
-            raise KdaError(f"{file}: tensor {name} has shape {list(shape)}, expected {want}")
-        if dtype not in spec.dtypes:
-            raise KdaError(f"{file}: tensor {name} has dtype {dtype}, expected "
-                           f"{' or '.join(spec.dtypes)}")
+            want = " or ".join(str(list(x)) for x in shapes)
+            raise KdaError(f"{file}: tensor {s.name} has shape {list(shape)}, expected {want}")
+        if dtype not in s.dtypes:
+            raise KdaError(f"{file}: tensor {s.name} has dtype {dtype}, expected "
+                           f"{' or '.join(s.dtypes)}")
         try:
-            arr = f.get_tensor(name)
+            arr = f.get_tensor(s.name)
         except Exception as e:
-            raise KdaError(f"{file}: cannot read tensor {name} ({e})") from None
+            raise KdaError(f"{file}: cannot read tensor {s.name} ({e})") from None
         return np.ascontiguousarray(arr)
 
     def problems(self) -> list[str]:
@@ -152,12 +267,12 @@ class Checkpoint:
         found = []
         for i in self.config.kda_layers:
             try:
-                tensors = self.layer_tensors(i)
+                arrays = self._read_layer(i)
             except KdaError as e:
                 found.append(str(e))
                 continue
-            for name, arr in tensors.items():
+            for s, arr in arrays:
                 bad = int(np.count_nonzero(~np.isfinite(arr.astype(np.float32))))
                 if bad:
-                    found.append(f"{tensor_name(i, name)}: {bad} non-finite values")
+                    found.append(f"{s.name}: {bad} non-finite values")
         return found

@@ -11,7 +11,8 @@ import click
 
 from . import synthetic
 from .backends import open_backend
-from .checkpoint import TENSORS, Checkpoint, tensor_name
+from .checkpoint import Checkpoint
+from .config import LAYOUTS
 from .errors import KdaError
 from .loader import load_stack
 from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,
@@ -178,30 +179,39 @@ def stages_cmd(dump, against, use_reference, only, as_json) -> None:
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="tiny",
               show_default=True)
-@click.option("--gate", type=click.Choice(synthetic.GATES), default="softplus", show_default=True)
+@click.option("--gate", type=click.Choice(synthetic.GATES), default=None,
+              help="Gate form (default: the preset's own; bounded for glm-5.3-flash, else "
+                   "softplus).")
 @click.option("--lower-bound", type=float, default=synthetic.DEFAULT_LOWER_BOUND,
               show_default=True, help="gate_lower_bound of the bounded gate.")
 @click.option("--layers", type=int, default=synthetic.DEFAULT_LAYERS, show_default=True,
-              help="Layers in the stack (every 4th is full attention).")
-@click.option("--shards", type=int, default=1, show_default=True)
+              help="Layers in the stack (every 4th is attention).")
+@click.option("--layout", type=click.Choice(LAYOUTS), default=None,
+              help="Checkpoint layout (default: the preset's own; glm5_next for glm-5.3-flash, "
+                   "else kimi_linear).")
+@click.option("--shards", type=int, default=None,
+              help="Files the layers are spread over, with an index when more than one "
+                   "(default: the preset's own, at most one a layer; 4 for glm-5.3-flash, "
+                   "else 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_checkpoint(out, preset, gate, lower_bound, layers, shards, seed) -> None:
-    """Write a seeded synthetic checkpoint in the HF Kimi Linear layout to OUT."""
+def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed) -> None:
+    """Write a seeded synthetic checkpoint in the HF Kimi Linear or GLM-5.3-Flash layout to
+    OUT."""
+    if shards is None:
+        shards = min(synthetic.PRESETS[preset].shards, layers)
     try:
-        cfg = synthetic.preset_config(preset, gate, layers, lower_bound)
+        cfg = synthetic.preset_config(preset, gate, layers, lower_bound, layout)
+        path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
     except (KdaError, ValueError) as e:
         raise click.ClickException(str(e))
-    if shards < 1:
-        raise click.ClickException(f"--shards must be >= 1, got {shards}")
-    path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
-    click.echo(f"wrote {path}: preset {preset}, {gate} gate, {layers} layers "
-               f"({len(cfg.kda_layers)} KDA), {shards} shard(s)")
+    click.echo(f"wrote {path}: preset {preset}, {cfg.layout} layout, {cfg.gate_form} gate, "
+               f"{layers} layers ({len(cfg.kda_layers)} KDA), {shards} shard(s)")
 
 
 @main.command("inspect")
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 def inspect_cmd(checkpoint) -> None:
-    """Show a checkpoint's KDA config, layers and tensors, and any problems found."""
+    """Show a checkpoint's layout, KDA config, layers and tensors, and any problems found."""
     try:
         ckpt = Checkpoint(checkpoint)
     except KdaError as e:
@@ -209,6 +219,7 @@ def inspect_cmd(checkpoint) -> None:
     cfg = ckpt.config
     click.echo(f"checkpoint {checkpoint}")
     click.echo(_table([
+        ("layout", f"{ckpt.layout} (layers under {ckpt.prefix})"),
         ("hidden_size", str(cfg.hidden_size)),
         ("heads x head_dim", f"{cfg.num_heads} x {cfg.head_dim} (qkv {cfg.qkv})"),
         ("conv kernel", str(cfg.conv_kernel)),
@@ -216,16 +227,20 @@ def inspect_cmd(checkpoint) -> None:
                                   else f" (lower bound {cfg.gate_lower_bound})")),
         ("rms_norm_eps", f"{cfg.rms_norm_eps:g}"),
         ("layers", f"{cfg.num_hidden_layers}: {len(cfg.kda_layers)} KDA, "
-                   f"{len(cfg.full_attn_layers)} full attention"),
-        ("KDA layers (0-based)", ", ".join(map(str, cfg.kda_layers))),
+                   f"{len(cfg.full_attn_layers)} attention"),
+        (f"KDA layers (0-based, {len(cfg.kda_layers)})", ", ".join(map(str, cfg.kda_layers))),
     ]))
     first = cfg.kda_layers[0]
-    click.echo(f"tensors of layer {first} (every KDA layer has the same set):")
-    for spec in TENSORS:
-        name = tensor_name(first, spec.name)
-        where = ckpt.weight_map.get(name)
-        click.echo(f"  {name}  expected {list(spec.shapes(cfg)[0])} "
-                   f"{'/'.join(spec.dtypes)}  {'in ' + where.name if where else 'MISSING'}")
+    try:
+        spelling, stored = ckpt.layer_spelling(first), ckpt.stored_tensors(first)
+    except KdaError:  # a layer of two spellings: listed under problems below
+        spelling, stored = "mixed", []
+    click.echo(f"tensors of layer {first}, {spelling} spelling (every KDA layer has the same "
+               "set):")
+    for s in stored:
+        where = ckpt.weight_map.get(s.name)
+        click.echo(f"  {s.name}  expected {list(s.shapes(cfg)[0])} "
+                   f"{'/'.join(s.dtypes)}  {'in ' + where.name if where else 'MISSING'}")
     problems = ckpt.problems()
     click.echo(f"problems: {len(problems) or 'none'}")
     for p in problems:

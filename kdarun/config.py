@@ -1,5 +1,14 @@
 """Glm5NextKdaConfig: the shape facts of one KDA block, read from an HF `config.json`.
 
+Two layouts of `config.json` are read (`LAYOUTS`):
+
+- `kimi_linear` (Kimi Linear): flat fields and `linear_attn_config` with 1-based `kda_layers`;
+- `glm5_next` (GLM-5.3-Flash): the text model's fields under `text_config` (or flat at the
+  top level), `layer_types` (0-based, `linear_attention` = KDA; absent: every layer but
+  i % 4 == 3), and the KDA shape either as `linear_attn_config` (no `kda_layers`) or as
+  transformers' flat `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`,
+  `linear_lower_bound` (`LINEAR_FIELDS`).
+
 Every derived size (qkv, conv_dim, the gate_in width, T_pad) is a property
 here, so no other module re-derives it.
 """
@@ -20,13 +29,27 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_CONV_KERNEL = 8  # W at most: the conv kernels' register window
 L2_NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + L2_NORM_EPS)
 
+LAYOUTS = ("kimi_linear", "glm5_next")
+MODEL_TYPES = {"kimi_linear": "kimi_linear", "glm5_next": "glm5_next",
+               "glm5_next_text": "glm5_next"}  # config.json's model_type -> layout
+KDA_LAYER_TYPE = "linear_attention"
+ATTN_LAYER_TYPES = ("full_attention", "indexed_attention", "deepseek_sparse_attention")
+# Glm5NextKdaConfig field -> (key in linear_attn_config, transformers' flat key)
+LINEAR_FIELDS = {
+    "num_heads": ("num_heads", "linear_num_heads"),
+    "head_dim": ("head_dim", "linear_head_dim"),
+    "conv_kernel": ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+    "gate_lower_bound": ("gate_lower_bound", "linear_lower_bound"),
+}
+
 
 @dataclass(frozen=True)
 class Glm5NextKdaConfig:
-    """One KDA block's shapes and constants.
+    """One KDA block's shapes and constants, and the layout of the checkpoint they came from.
 
-    `kda_layers` are 0-based indices in the stack (`layer_idx`); HF `config.json` lists them
-    1-based and `from_hf` converts.
+    `kda_layers` are 0-based indices in the stack (`layer_idx`); a Kimi Linear `config.json`
+    lists them 1-based and `from_hf` converts. `full_attn_layers` are the stack's other
+    attention layers (full or sparse), which kdarun does not read.
     """
 
     hidden_size: int
@@ -38,11 +61,14 @@ class Glm5NextKdaConfig:
     num_hidden_layers: int = 1
     kda_layers: tuple[int, ...] = (0,)
     full_attn_layers: tuple[int, ...] = ()
+    layout: str = "kimi_linear"  # one of LAYOUTS: how config.json and the tensors are laid out
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str, actual: Any) -> KdaError:
             return KdaError(f"config: {name} must be {expected}, got {actual!r}")
 
+        if self.layout not in LAYOUTS:
+            raise bad("layout", f"one of {LAYOUTS}", self.layout)
         for name in ("hidden_size", "num_heads", "head_dim", "conv_kernel", "num_hidden_layers"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -51,27 +77,27 @@ class Glm5NextKdaConfig:
             raise bad("hidden_size", "a multiple of 8 (rows are read as 16-byte vectors)",
                       self.hidden_size)
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise bad("linear_attn_config.head_dim", f"one of {SUPPORTED_HEAD_DIMS}", self.head_dim)
+            raise bad("head_dim", f"one of {SUPPORTED_HEAD_DIMS}", self.head_dim)
         if not 2 <= self.conv_kernel <= MAX_CONV_KERNEL:
-            raise bad("linear_attn_config.short_conv_kernel_size", f"in [2, {MAX_CONV_KERNEL}]",
+            raise bad("conv_kernel (short_conv_kernel_size)", f"in [2, {MAX_CONV_KERNEL}]",
                       self.conv_kernel)
         if not (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1):
             raise bad("rms_norm_eps", "a number in (0, 1)", self.rms_norm_eps)
         lb = self.gate_lower_bound
         if lb is not None and not (isinstance(lb, (int, float)) and -5.0 <= lb < 0.0):
-            raise bad("linear_attn_config.gate_lower_bound", "a number in [-5, 0) or absent", lb)
+            raise bad("gate_lower_bound", "a number in [-5, 0) or absent/None", lb)
         n = self.num_hidden_layers
         for name in ("kda_layers", "full_attn_layers"):
             for i in getattr(self, name):
                 if not isinstance(i, int) or not 0 <= i < n:
                     raise bad(name, f"0-based layer indices in [0, {n})", i)
         if not self.kda_layers:
-            raise bad("linear_attn_config.kda_layers", "a non-empty list", list(self.kda_layers))
+            raise bad("kda_layers", "a non-empty list", list(self.kda_layers))
         both = set(self.kda_layers) & set(self.full_attn_layers)
         if both:
             raise bad("kda_layers/full_attn_layers", "disjoint", sorted(both))
         if len(set(self.kda_layers)) != len(self.kda_layers):
-            raise bad("linear_attn_config.kda_layers", "free of duplicates", list(self.kda_layers))
+            raise bad("kda_layers", "free of duplicates", list(self.kda_layers))
 
     # -- derived sizes (the one place they are computed) ---------------------------------------
     @property
@@ -126,40 +152,24 @@ class Glm5NextKdaConfig:
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "Glm5NextKdaConfig":
-        """Build from an HF Kimi Linear style config dict (only the KDA fields are read)."""
-        def need(d: dict, key: str, where: str) -> Any:
-            if key not in d:
-                raise KdaError(f"{source}: missing field {where}{key}")
-            return d[key]
-
-        lac = need(cfg, "linear_attn_config", "")
-        if not isinstance(lac, dict):
-            raise KdaError(f"{source}: linear_attn_config must be an object, got {type(lac).__name__}")
-        n_layers = need(cfg, "num_hidden_layers", "")
-        kda_1 = need(lac, "kda_layers", "linear_attn_config.")
-        full_1 = lac.get("full_attn_layers", [])
-        for name, lst in (("kda_layers", kda_1), ("full_attn_layers", full_1)):
-            if not isinstance(lst, list) or not all(isinstance(i, int) for i in lst):
-                raise KdaError(f"{source}: linear_attn_config.{name} must be a list of "
-                               f"1-based layer numbers, got {lst!r}")
-            bad = [i for i in lst if not (isinstance(n_layers, int) and 1 <= i <= n_layers)]
-            if bad:
-                raise KdaError(f"{source}: linear_attn_config.{name} are 1-based and must lie in "
-                               f"[1, {n_layers}], got {bad}")
+        """Build from an HF config dict of either layout (only the KDA fields are read)."""
+        layout = hf_layout(cfg, source)
+        text, where = cfg, ""
+        if layout == "glm5_next" and "text_config" in cfg:
+            text, where = _object(cfg, "text_config", "", source), "text_config."
+        n_layers = _need(text, "num_hidden_layers", where, source)
+        if layout == "kimi_linear":
+            kda, full = _kimi_layers(_object(text, "linear_attn_config", where, source),
+                                     n_layers, source)
+        else:
+            kda, full = _glm_layers(text, n_layers, where, source)
         try:
-            return cls(
-                hidden_size=need(cfg, "hidden_size", ""),
-                num_heads=need(lac, "num_heads", "linear_attn_config."),
-                head_dim=need(lac, "head_dim", "linear_attn_config."),
-                conv_kernel=lac.get("short_conv_kernel_size", 4),
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                gate_lower_bound=lac.get("gate_lower_bound"),
-                num_hidden_layers=n_layers,
-                kda_layers=tuple(i - 1 for i in kda_1),
-                full_attn_layers=tuple(i - 1 for i in full_1),
-            )
+            return cls(hidden_size=_need(text, "hidden_size", where, source),
+                       rms_norm_eps=text.get("rms_norm_eps", 1e-6), num_hidden_layers=n_layers,
+                       kda_layers=kda, full_attn_layers=full, layout=layout,
+                       **_linear_fields(text, where, source))
         except KdaError as e:
-            raise KdaError(f"{source}: {e}") from None
+            raise KdaError(f"{source} ({layout} layout): {e}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Glm5NextKdaConfig":
@@ -175,16 +185,117 @@ class Glm5NextKdaConfig:
         return cls.from_hf(cfg, source=str(path))
 
     def to_hf(self) -> dict[str, Any]:
-        """The minimal HF config dict that `from_hf` reads back to this config."""
+        """The minimal HF config dict, in this config's layout, that `from_hf` reads back to
+        this config (`glm5_next` writes every non-KDA layer as `full_attention`)."""
         lac: dict[str, Any] = {
-            "kda_layers": [i + 1 for i in self.kda_layers],
-            "full_attn_layers": [i + 1 for i in self.full_attn_layers],
             "head_dim": self.head_dim,
             "num_heads": self.num_heads,
             "short_conv_kernel_size": self.conv_kernel,
         }
         if self.gate_lower_bound is not None:
             lac["gate_lower_bound"] = self.gate_lower_bound
-        return {"model_type": "kimi_linear", "hidden_size": self.hidden_size,
-                "rms_norm_eps": self.rms_norm_eps, "num_hidden_layers": self.num_hidden_layers,
-                "linear_attn_config": lac}
+        text = {"hidden_size": self.hidden_size, "rms_norm_eps": self.rms_norm_eps,
+                "num_hidden_layers": self.num_hidden_layers}
+        if self.layout == "kimi_linear":
+            lac |= {"kda_layers": [i + 1 for i in self.kda_layers],
+                    "full_attn_layers": [i + 1 for i in self.full_attn_layers]}
+            return {"model_type": "kimi_linear", **text, "linear_attn_config": lac}
+        kda = set(self.kda_layers)
+        layer_types = [KDA_LAYER_TYPE if i in kda else ATTN_LAYER_TYPES[0]
+                       for i in range(self.num_hidden_layers)]
+        return {"model_type": "glm5_next",
+                "text_config": {**text, "layer_types": layer_types, "linear_attn_config": lac}}
+
+
+def hf_layout(cfg: dict[str, Any], source: str = "config.json") -> str:
+    """The layout (one of `LAYOUTS`) of an HF config dict: its `model_type` where it has one,
+    else its shape; anything else is refused with what is supported."""
+    supported = ("supported: kimi_linear (linear_attn_config with 1-based kda_layers) and "
+                 "glm5_next (text_config or flat fields with layer_types, linear_attn_config "
+                 "or linear_num_heads/linear_head_dim/...)")
+    model_type = cfg.get("model_type")
+    if model_type is not None:
+        if model_type not in MODEL_TYPES:
+            raise KdaError(f"{source}: model_type {model_type!r} is not a KDA model kdarun "
+                           f"reads; model types {sorted(MODEL_TYPES)} are ({supported})")
+        return MODEL_TYPES[model_type]
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict) and "kda_layers" in lac:
+        return "kimi_linear"
+    if any(k in cfg for k in ("text_config", "layer_types",
+                              *(flat for _, flat in LINEAR_FIELDS.values()))):
+        return "glm5_next"
+    raise KdaError(f"{source}: cannot tell the layout (no model_type, no "
+                   f"linear_attn_config.kda_layers, text_config, layer_types or linear_* "
+                   f"fields); {supported}")
+
+
+def _need(d: dict[str, Any], key: str, where: str, source: str) -> Any:
+    if key not in d:
+        raise KdaError(f"{source}: missing field {where}{key}")
+    return d[key]
+
+
+def _object(d: dict[str, Any], key: str, where: str, source: str) -> dict[str, Any]:
+    v = _need(d, key, where, source)
+    if not isinstance(v, dict):
+        raise KdaError(f"{source}: {where}{key} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _linear_fields(text: dict[str, Any], where: str, source: str) -> dict[str, Any]:
+    """num_heads, head_dim, conv_kernel and gate_lower_bound (absent or None: softplus gate)
+    from `linear_attn_config` or from transformers' flat `linear_*` fields, not both."""
+    flat = sorted(k for _, k in LINEAR_FIELDS.values() if k in text)
+    if flat and "linear_attn_config" in text:
+        raise KdaError(f"{source}: {where}linear_attn_config and the flat fields {flat} "
+                       "both describe the KDA shape; expected one of the two")
+    if flat:
+        src, at, col = text, where, 1
+    else:
+        src, at, col = (_object(text, "linear_attn_config", where, source),
+                        f"{where}linear_attn_config.", 0)
+    defaults = {"conv_kernel": 4, "gate_lower_bound": None}
+    return {field: (src.get(keys[col], defaults[field]) if field in defaults
+                    else _need(src, keys[col], at, source))
+            for field, keys in LINEAR_FIELDS.items()}
+
+
+def _kimi_layers(lac: dict[str, Any], n_layers: Any,
+                 source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """0-based (kda_layers, full_attn_layers) from Kimi Linear's 1-based lists."""
+    out = []
+    for name, lst in (("kda_layers", _need(lac, "kda_layers", "linear_attn_config.", source)),
+                      ("full_attn_layers", lac.get("full_attn_layers", []))):
+        if not isinstance(lst, list) or not all(isinstance(i, int) for i in lst):
+            raise KdaError(f"{source}: linear_attn_config.{name} must be a list of "
+                           f"1-based layer numbers, got {lst!r}")
+        bad = [i for i in lst if not (isinstance(n_layers, int) and 1 <= i <= n_layers)]
+        if bad:
+            raise KdaError(f"{source}: linear_attn_config.{name} are 1-based and must lie in "
+                           f"[1, {n_layers}], got {bad}")
+        out.append(tuple(i - 1 for i in lst))
+    return out[0], out[1]
+
+
+def _glm_layers(text: dict[str, Any], n_layers: Any, where: str,
+                source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """0-based (kda_layers, other attention layers) from `layer_types`, or, without it,
+    every layer KDA but i % 4 == 3."""
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
+        raise KdaError(f"{source}: {where}num_hidden_layers must be a positive integer, "
+                       f"got {n_layers!r}")
+    types = text.get("layer_types")
+    if types is None:
+        types = [ATTN_LAYER_TYPES[0] if i % 4 == 3 else KDA_LAYER_TYPE for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise KdaError(f"{source}: {where}layer_types must be a list of {n_layers} layer "
+                       f"families (num_hidden_layers), got {types!r}")
+    for i, t in enumerate(types):
+        if t != KDA_LAYER_TYPE and t not in ATTN_LAYER_TYPES:
+            raise KdaError(f"{source}: {where}layer_types[{i}] is {t!r}, expected one of "
+                           f"{[KDA_LAYER_TYPE, *ATTN_LAYER_TYPES]}")
+    kda = tuple(i for i, t in enumerate(types) if t == KDA_LAYER_TYPE)
+    if not kda:
+        raise KdaError(f"{source}: {where}layer_types has no {KDA_LAYER_TYPE!r} (KDA) layer")
+    return kda, tuple(i for i, t in enumerate(types) if t != KDA_LAYER_TYPE)

@@ -1,4 +1,4 @@
-"""Seeded synthetic checkpoints in the HF Kimi Linear layout.
+"""Seeded synthetic checkpoints in either HF layout (Kimi Linear or GLM-5.3-Flash).
 
 Parameters are initialised the way Kimi Linear / fla initialise a fresh KDA block:
 linear layers N(0, 0.02), depthwise conv U(±1/sqrt(W)) (PyTorch's Conv1d default),
@@ -6,45 +6,67 @@ linear layers N(0, 0.02), depthwise conv U(±1/sqrt(W)) (PyTorch's Conv1d defaul
 per-step decay at g_raw = 0 spreads log-uniformly, as a trained model's does: for the
 softplus gate it is the inverse softplus of a step in [1e-3, 0.1] (fla's init); for the
 bounded gate it solves `lower_bound * sigmoid(A * dt_bias) = -r` for a rate r in
-[2e-4, 0.1] * |lower_bound| (1e-3 to 0.5 at lower_bound -5). The stack mixes KDA and full-attention layers 3:1
-like Kimi Linear; full-attention layers carry only placeholder tensors the reader skips.
+[2e-4, 0.1] * |lower_bound| (1e-3 to 0.5 at lower_bound -5). The stack mixes KDA and attention
+layers 3:1 like both models (every layer i with i % 4 == 3 is attention); attention layers
+carry only placeholder tensors the reader skips. The weights depend only on the shapes and
+the seed, so the same weights can be written in either layout and either tensor spelling.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import TENSORS, tensor_name
+from .checkpoint import LAYER_PREFIXES, SPELLINGS, TENSORS, tensor_name
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16
 
 
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=256, num_heads=4, head_dim=64),
-    "kimi-linear-48b": dict(hidden_size=2304, num_heads=32, head_dim=128),
-    "large": dict(hidden_size=6144, num_heads=64, head_dim=128),
+@dataclass(frozen=True)
+class Preset:
+    """A model shape `make-checkpoint` writes, with the layout, gate and shard count it is
+    written with unless told otherwise."""
+    hidden_size: int
+    num_heads: int  # H
+    head_dim: int  # D
+    layout: str = "kimi_linear"
+    gate: str = "softplus"
+    shards: int = 1
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(hidden_size=256, num_heads=4, head_dim=64),
+    "kimi-linear-48b": Preset(hidden_size=2304, num_heads=32, head_dim=128),
+    "glm-5.3-flash": Preset(hidden_size=4096, num_heads=64, head_dim=128, layout="glm5_next",
+                            gate="bounded", shards=4),
 }
 GATES = ("softplus", "bounded")
 DEFAULT_LAYERS = 45
 DEFAULT_LOWER_BOUND = -5.0
 
 
-def preset_config(preset: str, gate: str = "softplus", layers: int = DEFAULT_LAYERS,
-                  lower_bound: float = DEFAULT_LOWER_BOUND) -> Glm5NextKdaConfig:
-    """The config of a preset: every 4th layer (1-based) full attention, the rest KDA."""
+def preset_config(preset: str, gate: str | None = None, layers: int = DEFAULT_LAYERS,
+                  lower_bound: float = DEFAULT_LOWER_BOUND,
+                  layout: str | None = None) -> Glm5NextKdaConfig:
+    """The config of a preset (`gate` and `layout` default to the preset's own): every
+    layer i with i % 4 == 3 attention, the rest KDA."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    gate = p.gate if gate is None else gate
     if gate not in GATES:
         raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
-    full = tuple(i for i in range(layers) if (i + 1) % 4 == 0)
+    full = tuple(i for i in range(layers) if i % 4 == 3)
     kda = tuple(i for i in range(layers) if i not in full)
-    return Glm5NextKdaConfig(**PRESETS[preset], conv_kernel=4, rms_norm_eps=1e-5,
+    return Glm5NextKdaConfig(p.hidden_size, p.num_heads, p.head_dim, conv_kernel=4,
+                             rms_norm_eps=1e-5,
                              gate_lower_bound=lower_bound if gate == "bounded" else None,
-                             num_hidden_layers=layers, kda_layers=kda, full_attn_layers=full)
+                             num_hidden_layers=layers, kda_layers=kda, full_attn_layers=full,
+                             layout=p.layout if layout is None else layout)
 
 
 def synth_layer_tensors(cfg: Glm5NextKdaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -82,34 +104,46 @@ def synth_layer_tensors(cfg: Glm5NextKdaConfig, rng: np.random.Generator) -> dic
 
 
 def write_checkpoint(out: str | Path, cfg: Glm5NextKdaConfig, seed: int = 0,
-                     shards: int = 1) -> Path:
-    """Write `config.json` and the weights of every layer of `cfg` under `out`.
+                     shards: int = 1, spelling: str = "flat") -> Path:
+    """Write `config.json` (in `cfg.layout`) and the weights of every layer of `cfg` under
+    `out`, the KDA tensors named as `spelling` (a key of `checkpoint.SPELLINGS`) names them.
 
     With `shards > 1` the layers are spread over that many files plus
-    `model.safetensors.index.json`, as large HF checkpoints are.
+    `model.safetensors.index.json`, as large HF checkpoints are. The weights depend only on
+    the shapes and `seed`, not on the layout, spelling or sharding.
     """
+    if not 1 <= shards <= cfg.num_hidden_layers:
+        raise ValueError(f"shards must be in [1, {cfg.num_hidden_layers}] (one layer a shard at "
+                         f"most), got {shards}")
+    if spelling not in SPELLINGS:
+        raise ValueError(f"unknown spelling {spelling!r}; expected one of {sorted(SPELLINGS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    prefix = LAYER_PREFIXES[cfg.layout]
     rng = np.random.default_rng(seed)
     per_shard: list[dict[str, np.ndarray]] = [{} for _ in range(shards)]
     for i in range(cfg.num_hidden_layers):
         part = per_shard[i * shards // cfg.num_hidden_layers]
-        part[f"model.layers.{i}.input_layernorm.weight"] = np.ones(cfg.hidden_size, BF16)
+        part[f"{prefix}{i}.input_layernorm.weight"] = np.ones(cfg.hidden_size, BF16)
         if i in cfg.kda_layers:
-            for short, arr in synth_layer_tensors(cfg, rng).items():
-                part[tensor_name(i, short)] = arr
-        else:  # a full-attention (MLA) layer: present, and not ours to read
-            part[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"] = np.ones(8, BF16)
+            t = synth_layer_tensors(cfg, rng)
+            if cfg.layout == "glm5_next":  # GLM-5.3-Flash stores A_log as [H]
+                t["A_log"] = t["A_log"].reshape(-1)
+            for short, holds in SPELLINGS[spelling].items():  # a fused tensor: dim 0 in order
+                part[tensor_name(prefix, i, short)] = t[holds[0]] if len(holds) == 1 \
+                    else np.concatenate([t[h] for h in holds])
+        else:  # an attention layer: present, and not ours to read
+            part[tensor_name(prefix, i, "kv_a_layernorm.weight")] = np.ones(8, BF16)
     if shards == 1:
         save_file(per_shard[0], str(out / "model.safetensors"))
         return out
-    weight_map = {}
+    weight_map, total = {}, 0
     for s, part in enumerate(per_shard):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         save_file(part, str(out / fname))
         weight_map.update({k: fname for k in part})
+        total += sum(a.nbytes for a in part.values())
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return out
-

@@ -12,7 +12,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdarun import Checkpoint, Glm5NextKdaConfig, KdaError, synthetic
-from kdarun.checkpoint import tensor_name
+from kdarun.checkpoint import LAYER_PREFIXES, tensor_name
+
+KIMI = LAYER_PREFIXES["kimi_linear"]
 
 MINIMAL = {
     "hidden_size": 256, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
@@ -24,6 +26,7 @@ MINIMAL = {
 def test_minimal_config_and_1_based_layers():
     cfg = Glm5NextKdaConfig.from_hf(MINIMAL)
     assert cfg.kda_layers == (0, 1, 2) and cfg.full_attn_layers == (3,)
+    assert cfg.layout == "kimi_linear"
     assert cfg.gate_form == "softplus" and cfg.qkv == 256 and cfg.conv_dim == 768
     bounded = json.loads(json.dumps(MINIMAL))
     bounded["linear_attn_config"]["gate_lower_bound"] = -5.0
@@ -44,7 +47,7 @@ def test_real_kimi_config_extra_fields_are_ignored():
     (lambda c: c["linear_attn_config"].pop("num_heads"), "missing field linear_attn_config.num_heads"),
     (lambda c: c.update(hidden_size=250), "hidden_size must be a multiple of 8 .* got 250"),
     (lambda c: c["linear_attn_config"].update(head_dim=96), r"head_dim must be one of \(64, 128\), got 96"),
-    (lambda c: c["linear_attn_config"].update(gate_lower_bound=-7.0), r"gate_lower_bound must be a number in \[-5, 0\) or absent, got -7.0"),
+    (lambda c: c["linear_attn_config"].update(gate_lower_bound=-7.0), r"gate_lower_bound must be a number in \[-5, 0\) or absent/None, got -7.0"),
     (lambda c: c["linear_attn_config"].update(kda_layers=[0, 1]), r"kda_layers are 1-based and must lie in \[1, 4\], got \[0\]"),
     (lambda c: c["linear_attn_config"].update(kda_layers=[1, 4]), r"must be disjoint, got \[3\]"),
     (lambda c: c.update(rms_norm_eps=0), r"rms_norm_eps must be a number in \(0, 1\), got 0"),
@@ -92,20 +95,20 @@ def test_reads_single_and_sharded_identically(tmp_path):
 
 
 def test_a_log_as_h_vector_is_accepted(ckpt_copy):
-    name = tensor_name(0, "A_log")
+    name = tensor_name(KIMI, 0, "A_log")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, t[n].reshape(-1)))
     assert Checkpoint(ckpt_copy).layer_tensors(0)["A_log"].shape == (4,)
 
 
 def test_missing_tensor(ckpt_copy):
-    name = tensor_name(1, "g_b_proj.weight")
+    name = tensor_name(KIMI, 1, "g_b_proj.weight")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.pop(n))
     with pytest.raises(KdaError, match=f"missing tensor {name}"):
         Checkpoint(ckpt_copy).layer_tensors(1)
 
 
 def test_unknown_tensor_in_a_kda_layer_is_refused(ckpt_copy):
-    name = tensor_name(0, "g_b_proj.bias")
+    name = tensor_name(KIMI, 0, "g_b_proj.bias")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, np.ones(256, ml_dtypes.bfloat16)))
     with pytest.raises(KdaError, match=r"layer 0 has tensors kdarun does not implement: "
                                        r"\['model.layers.0.self_attn.g_b_proj.bias'\]"):
@@ -114,21 +117,21 @@ def test_unknown_tensor_in_a_kda_layer_is_refused(ckpt_copy):
 
 
 def test_wrong_shape(ckpt_copy):
-    name = tensor_name(0, "o_proj.weight")
+    name = tensor_name(KIMI, 0, "o_proj.weight")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, t[n][:, :128].copy()))
     with pytest.raises(KdaError, match=rf"{name} has shape \[256, 128\], expected \[256, 256\]"):
         Checkpoint(ckpt_copy).layer_tensors(0)
 
 
 def test_wrong_dtype(ckpt_copy):
-    name = tensor_name(0, "q_proj.weight")
+    name = tensor_name(KIMI, 0, "q_proj.weight")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, t[n].astype(np.float32)))
     with pytest.raises(KdaError, match=f"{name} has dtype F32, expected BF16"):
         Checkpoint(ckpt_copy).layer_tensors(0)
 
 
 def test_small_params_may_be_bf16(ckpt_copy):
-    name = tensor_name(0, "dt_bias")
+    name = tensor_name(KIMI, 0, "dt_bias")
     _edit_tensor(ckpt_copy, name, lambda t, n: t.__setitem__(n, t[n].astype(ml_dtypes.bfloat16)))
     assert Checkpoint(ckpt_copy).layer_tensors(0)["dt_bias"].dtype == ml_dtypes.bfloat16
 
@@ -151,7 +154,7 @@ def test_not_a_kda_layer_and_missing_files(ckpt_copy, tmp_path):
 
 
 def test_problems_reports_non_finite(ckpt_copy):
-    name = tensor_name(2, "f_a_proj.weight")
+    name = tensor_name(KIMI, 2, "f_a_proj.weight")
 
     def plant(t, n):
         t[n] = t[n].copy()

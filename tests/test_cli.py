@@ -33,7 +33,8 @@ def test_make_checkpoint_inspect_and_run(tmp_path):
     assert r.exit_code == 0 and "6 KDA" in r.output
     r = run("inspect", str(ck))
     assert r.exit_code == 0 and "bounded (lower bound -5.0)" in r.output
-    assert "problems: none" in r.output and "0, 1, 2, 4, 5, 6" in r.output
+    assert "kimi_linear (layers under model.layers.)" in r.output
+    assert "problems: none" in r.output and "KDA layers (0-based, 6)  0, 1, 2, 4, 5, 6" in r.output
     h = np.random.default_rng(0).standard_normal((12, 256)).astype(ml_dtypes.bfloat16)
     save_file({"hidden": h}, str(tmp_path / "h.safetensors"))
     out = tmp_path / "o.safetensors"
@@ -44,6 +45,35 @@ def test_make_checkpoint_inspect_and_run(tmp_path):
     got = load_file(str(out))
     assert got["final_out"].shape == (12, 256) and got["final_out"].dtype == ml_dtypes.bfloat16
     assert np.all(np.isfinite(got["final_out"].astype(np.float32)))
+
+
+def test_layout_option_writes_glm5_next(tmp_path):
+    ck = tmp_path / "ck"
+    r = run("make-checkpoint", str(ck), "--layout", "glm5_next", "--layers", "8")
+    assert r.exit_code == 0, r.output
+    assert "glm5_next layout, softplus gate, 8 layers (6 KDA), 1 shard" in r.output
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["model_type"] == "glm5_next"
+    assert cfg["text_config"]["layer_types"][2:4] == ["linear_attention", "full_attention"]
+    r = run("inspect", str(ck))
+    assert r.exit_code == 0, r.output
+    assert "glm5_next (layers under model.language_model.layers.)" in r.output
+    assert "KDA layers (0-based, 6)  0, 1, 2, 4, 5, 6" in r.output and "problems: none" in r.output
+    assert ("model.language_model.layers.0.self_attn.q_conv1d.weight  expected [256, 1, 4]"
+            in r.output)
+
+
+def test_glm_preset_makes_and_runs(tmp_path):
+    """The GLM-5.3-Flash shape end to end on the host: its own layout, bounded gate and an
+    index over shards by default."""
+    ck = tmp_path / "ck"
+    r = run("make-checkpoint", str(ck), "--preset", "glm-5.3-flash", "--layers", "4")
+    assert r.exit_code == 0, r.output
+    assert "glm5_next layout, bounded gate, 4 layers (3 KDA), 4 shard(s)" in r.output
+    assert (ck / "model.safetensors.index.json").exists()
+    r = run("layer-run", str(ck), "--tokens", "70", "--decode-steps", "1", "--backend", "host")
+    assert r.exit_code == 0, r.output
+    assert "bounded gate, H=64, D=128, hidden=4096" in r.output and "PASS" in r.output
 
 
 def test_clear_errors(tmp_path):

@@ -63,7 +63,7 @@ def main() -> int:
         report["ceilings"] = vars(ceil)
         use_fla = not args.no_fla and bench.fla_available()
         report["fla"] = use_fla
-        presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "large"]
+        presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "glm-5.3-flash"]
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
