@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the chunked core's two kernels spend their time, phase by phase (clocks left alone):
 
-    python3 tools/chunk_phases.py --preset large --tokens 16384
+    python3 tools/chunk_phases.py --preset glm-5.3-flash --tokens 16384
 
 chunk.cu carries marks, built only with -DKDA_CHUNK_PHASES: thread 0 of each block adds the
 clock64() cycles since its last mark into a __device__ array at PHASE(i). The intra kernel
@@ -34,7 +34,7 @@ DEFINE = "-DKDA_CHUNK_PHASES"  # the build with the marks
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="large")
+    ap.add_argument("--preset", default="glm-5.3-flash")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--gate", choices=("softplus", "bounded"), default="bounded")
     args = ap.parse_args()

@@ -3,7 +3,7 @@
 source counters (clocks left alone):
 
     ncu --clock-control none -k regex:kda_chunk --launch-skip 4 --launch-count 2 \
-        --section SourceCounters -o rep python3 tools/profile_layer.py --preset large
+        --section SourceCounters -o rep python3 tools/profile_layer.py --preset glm-5.3-flash
     ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
     python3 tools/sass_mix.py sass.csv
 
