@@ -139,21 +139,31 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
 # -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
-            o_norm_out, slots, snap_rec, snap_conv, snap_slots, sync, nseq, nrows, nsnap, H, W,
-            scale, eps):
-        qkv = H * D  # sync: the CUDA blocks' per-head counters; one host pass needs none
-        rec, cst = H * D * D * 4, (W - 1) * 3 * qkv * 2  # one state's bytes
+            o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
+        # sync: the CUDA blocks' per-head counter; one host pass needs none
+        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core,
+                         out_gate, o_norm_w, o_norm_out,
+                         [(snap_rec + i * rec, snap_conv + i * cst) for i in range(nsnap)], 0,
+                         nrows, H, W, scale, eps)
+    return run
+
+
+def _kda_decode_batch(D):
+    def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
+            o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps):
+        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        table = gpu.view(slots, nseq, np.int32)
+        snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None
         for b in range(nseq):
-            slot = int(gpu.view(slots, nseq, np.int32)[b]) if slots else 0
-            if slot < 0:
+            slot = int(table[b])
+            if slot < 0:  # a padding row
                 continue
-            snaps = (gpu.view(snap_slots, (nseq, nrows - 1), np.int32)[b] if snap_slots
-                     else range(nsnap))
-            _decode_sequence(gpu, D, x, conv_state + slot * cst, conv_w, conv_out, gate, beta,
-                             state + slot * rec, core, out_gate, o_norm_w, o_norm_out,
-                             [(snap_rec + int(i) * rec, snap_conv + int(i) * cst) if i >= 0
-                              else None for i in list(snaps)[:nsnap]], b * nrows, nrows, H, W,
-                             scale, eps)
+            to = [(rec_pool + int(i) * rec, conv_pool + int(i) * cst) if i >= 0 else None
+                  for i in (snaps[b] if nsnap else ())]
+            _decode_sequence(gpu, D, x, conv_pool + slot * cst, conv_w, conv_out, gate, beta,
+                             rec_pool + slot * rec, core, out_gate, o_norm_w, o_norm_out, to,
+                             b * nrows, nrows, H, W, scale, eps)
     return run
 
 
@@ -262,7 +272,8 @@ HOST_KERNELS: dict[str, dict] = {
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
              "conv_roll_state": conv_roll_state},
-    "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
+    "recurrent": {**{f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
+                  **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},

@@ -28,6 +28,7 @@ GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
 GEMV_BATCH_BLOCKS_PER_SM = 1  # batch GEMV blocks an SM holds
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
+DECODE_BATCH_SPLIT = 1  # blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
@@ -45,6 +46,7 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
               "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
+              "DECODE_BATCH_SPLIT": DECODE_BATCH_SPLIT,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -220,35 +222,53 @@ class Glm5NextKdaKernels:
                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr, beta: DevicePtr,
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
-                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int,
-                        nseq: int = 1, slots: DevicePtr | None = None,
-                        snap_slots: DevicePtr | None = None) -> None:
-        """nseq sequences of nrows decode tokens each, the rows of each in order, DECODE_SPLIT
-        blocks per (sequence, head), one launch: for each row, conv over the carried conv state
-        + SiLU + L2 of q/k, the delta-rule step on the state [H, Dv, Dk] fp32 and the gated
-        RMSNorm. Row buffers (x, conv_out, gate, beta, core, out_gate, o_norm_out) hold the
-        sequences' rows one after the other. Without `slots`, one sequence and the states at
-        state / conv_state; with it (int32 [nseq] on the device), sequence b's states are slot
-        slots[b] of pools [slots, H, Dv, Dk] / [slots, W-1, conv_dim], and a slot < 0 is a
-        padding row that touches nothing. The states after the first nsnap rows of a sequence
-        go to snap_rec / snap_conv (same shapes as the states, one a snapshot index): index
-        snap_slots[b, r] (int32 [nseq, nrows-1]; < 0 skipped) or, without it, index r. sync
-        [nseq, H] int32 counts each head's finished blocks; zero on entry, left zero. Updated
-        in place; each row runs the same code in every case."""
+                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int) -> None:
+        """nrows decode tokens of one sequence in order, DECODE_SPLIT blocks per head, one
+        launch: for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule
+        step on state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place;
+        the states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
+        [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
+        rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
+        core, out_gate, o_norm_out) advance a row a token."""
         c = self.cfg
-        if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows or nseq < 1:
-            raise KdaError(f"kda_decode_rows: need 1 <= nrows <= {MAX_DECODE_ROWS}, "
-                           f"0 <= nsnap < nrows and nseq >= 1, got nrows={nrows} nsnap={nsnap} "
-                           f"nseq={nseq}")
-        if nseq > 1 and slots is None:
-            raise KdaError(f"kda_decode_rows: {nseq} sequences need a slot table")
-        cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        self._rows_check("kda_decode_rows", nrows, nsnap)
+        cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
-                      o_norm_w, o_norm_out, NULL if slots is None else slots, snap_rec, snap_conv,
-                      NULL if snap_slots is None else snap_slots, sync, i32(nseq), i32(nrows),
-                      i32(nsnap), i32(c.num_heads), i32(c.conv_kernel), f32(c.scale),
-                      f32(c.rms_norm_eps)), stream)
+                      o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
+                      i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
+                     stream)
+
+    def kda_decode_batch(self, stream: int, x: DevicePtr, conv_pool: DevicePtr,
+                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr,
+                         beta: DevicePtr, rec_pool: DevicePtr, core: DevicePtr,
+                         out_gate: DevicePtr, o_norm_w: DevicePtr, o_norm_out: DevicePtr,
+                         slots: DevicePtr, snap_slots: DevicePtr | None, sync: DevicePtr,
+                         nseq: int, nrows: int) -> None:
+        """kda_decode_rows for nseq sequences of nrows rows each, one launch, the row buffers
+        holding them one after the other: sequence b's states are slot slots[b] (int32 [nseq]
+        on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
+        conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
+        (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
+        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row runs
+        kda_decode_rows' code, so a sequence's bits do not depend on its batch."""
+        c = self.cfg
+        nsnap = nrows - 1 if snap_slots is not None else 0
+        self._rows_check("kda_decode_batch", nrows, nsnap)
+        if nseq < 1:
+            raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
+        cfg = LaunchConfig((c.num_heads, DECODE_BATCH_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
+                     (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
+                      o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
+                      sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
+                      i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    @staticmethod
+    def _rows_check(name: str, nrows: int, nsnap: int) -> None:
+        if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
+            raise KdaError(f"{name}: need 1 <= nrows <= {MAX_DECODE_ROWS} and 0 <= nsnap < "
+                           f"nrows, got nrows={nrows} nsnap={nsnap}")
 
     def kda_chunk_intra(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr,
                         gate: DevicePtr, beta: DevicePtr, qg: DevicePtr, kd: DevicePtr,

@@ -219,15 +219,13 @@ class Glm5NextKdaLayer:
         [b, k-1] int32 the state after row r of sequence i goes to pool slot
         snapshot_slots[i, r] (-1: skipped)."""
         c, w, rows = self.cfg, self.weights, b * k
-        nsnap = k - 1 if snapshot_slots is not None else 0
         return [self._front_end_step(hidden, rows, ws),
-                Step("decode_rows", f"kda_decode_rows_d{c.head_dim}",
+                Step("decode_rows", f"kda_decode_batch_d{c.head_dim}",
                      ("conv_out", "core", "o_norm_out"),
-                     lambda s: self.kernels.kda_decode_rows(
+                     lambda s: self.kernels.kda_decode_batch(
                          s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,
-                         pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,
-                         pool.recurrent, pool.conv, ws.ptr("decode_sync"), k, nsnap, b, slots,
-                         snapshot_slots)),
+                         pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, slots,
+                         snapshot_slots, ws.ptr("decode_sync"), b, k)),
                 self._o_proj_step(rows, ws)]
 
     def _check_batch(self, what: str, b: int, k: int, slots: DevicePtr, pool: KdaStatePool,

@@ -40,12 +40,9 @@ template <int G, bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
                                           int ks, float (&out)[G][4], Ready ready = Ready()) {
-    // the warps' rings [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8], then the shares'
-    // partial sums [G][GEMV_WARPS][32]: gemv_smem<G> bytes
-    extern __shared__ uint4 stages[];
+    extern __shared__ uint4 stages[];  // [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8]
+    __shared__ float4 part[G][GEMV_WARPS][32];
     constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // 16-byte runs a row, a stage
-    float4 (*part)[GEMV_WARPS][32] =
-        reinterpret_cast<float4 (*)[GEMV_WARPS][32]>(stages + GEMV_WARPS * GEMV_STAGES * SV);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
     const int n = n0 < N ? (steps - share + ks - 1) / ks : 0;  // this warp's stages
@@ -70,29 +67,29 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     ready();
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's row
     float c[G][2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
-    // token row 8 gi + g at k0 + 16q + 8h + 2t, +1: a column group's B fragments
-    auto load_b = [&](unsigned (&b)[GEMV_STAGE_K / 8], int gi, int k0) {
-        const int m = 8 * gi + g;
-        const bf16* xr = x + (u64)min(m, M - 1) * ldx + 2 * t;
+    // token row m at k0 + 16q + 8h + 2t, +1: a column group's B fragments, from xr = row m's
+    const bf16* x0 = x + (u64)min(g, M - 1) * ldx + 2 * t;  // column group 0's row
+    auto load_b = [&](unsigned (&b)[GEMV_STAGE_K / 8], const bf16* xr, bool valid, int k0) {
 #pragma unroll
         for (int i = 0; i < GEMV_STAGE_K / 8; ++i) {
             const int k = k0 + 8 * i + 2 * t;
             const unsigned* p = reinterpret_cast<const unsigned*>(xr + k0 + 8 * i);
-            b[i] = m < M && k < K ? (COHERENT ? __ldcg(p) : __ldg(p)) : 0u;
+            b[i] = valid && k < K ? (COHERENT ? __ldcg(p) : __ldg(p)) : 0u;
         }
     };
     for (int j = 0; j < n; ++j) {
         const int k0 = (share + ks * j) * GEMV_STAGE_K;
         unsigned b[GEMV_STAGE_K / 8];
-        load_b(b, 0, k0);  // the first group's x loads overlap the wait for the weights
+        load_b(b, x0, g < M, k0);  // the first group's x loads overlap the wait for the weights
         cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
         const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;
 #pragma unroll
         for (int gi = 0; gi < G; ++gi) {
             if (gi > 0) {
+                const int m = 8 * gi + g;
                 if (8 * gi >= M) break;
-                load_b(b, gi, k0);
+                load_b(b, x + (u64)min(m, M - 1) * ldx + 2 * t, m < M, k0);
             }
 #pragma unroll
             for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
