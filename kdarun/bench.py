@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from .dtypes import BF16, F32
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer, Step
 from .loader import release_bound
+from .pool import KdaStatePool
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
 from .weights import Glm5NextKdaWeights
@@ -119,10 +120,11 @@ def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int
     return layer, ws, state, h
 
 
-def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState],
-             ws: Glm5NextKdaWorkspace, h: DevicePtr) -> None:
+def _release(gpu: GpuBackend, layers: list[Glm5NextKdaLayer],
+             states: Sequence[KdaSeqState | KdaStatePool], ws: Glm5NextKdaWorkspace,
+             h: DevicePtr) -> None:
     """Give back what a benchmark allocated: the bound layers (`release_bound`), the states
-    and the input rows."""
+    (or pools) and the input rows."""
     release_bound(gpu, layers, ws)
     for st in states:
         st.free()
@@ -141,15 +143,19 @@ class DecodeResult:
     frac_copy: float  # of the copy bandwidth measured in the same run
     fla_us: float | None = None
     kernels_us: dict | None = None  # each launch of one layer call, timed from graph replays
+    batch: int = 1  # sequences a call (batch-decode, batch-verify)
 
 
-def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int) -> int:
-    """Fewest bytes one layer call must move: every weight once, and per row the recurrent
-    and conv state read and written plus its hidden row in and out."""
+def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int,
+                 batch: int = 1, snapshots: bool = False) -> int:
+    """Fewest bytes one layer call must move: every weight once; per sequence its recurrent
+    and conv state read and written (and, with snapshots, written after each of its first
+    k-1 rows); per row its hidden row in and out."""
     state = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
     conv = (cfg.conv_kernel - 1) * cfg.conv_dim * BF16.itemsize
     io = 2 * cfg.hidden_size * BF16.itemsize
-    return weights.nbytes + k * (2 * state + 2 * conv + io)
+    per_seq = 2 * (state + conv) + (k - 1) * (state + conv) * snapshots
+    return weights.nbytes + batch * (per_seq + k * io)
 
 
 def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilings,
@@ -181,6 +187,44 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     _release(gpu, layers, states, ws, h)
     return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us, nbytes, gbps,
                         gbps / ceil.copy_gbps, kernels_us=kernels)
+
+
+def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings, stream: int,
+                reps: int = 100, gate: str = "softplus") -> DecodeResult:
+    """Batched decode (k = 1) or batched verify with snapshots of `batch` sequences, graph
+    replays over DECODE_LAYERS layers, each with a pool of random states in shuffled slots."""
+    cfg = synthetic.preset_config(preset, gate)
+    layers = bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, batch * k)
+    rng = np.random.default_rng(2)
+    nslots = batch * k  # the sequences', then their snapshots'
+    pools = [KdaStatePool(gpu, cfg, nslots, stream) for _ in layers]
+    for pool in pools:
+        gpu.copy_h2d(pool.recurrent, rng.standard_normal(
+            (nslots, *recurrent_shape(cfg)), dtype=np.float32) * 0.05, stream)
+    slots = gpu.upload(rng.permutation(batch).astype(np.int32), stream)
+    snaps = gpu.upload(batch + rng.permutation(batch * (k - 1)).astype(np.int32), stream) \
+        if k > 1 else None
+    h = gpu.upload(random_hidden(batch * k, cfg.hidden_size, 3), stream)
+
+    def step() -> None:
+        for layer, pool in zip(layers, pools):
+            if k == 1:
+                layer.decode_batch(gpu, h, batch, slots, pool, ws, stream)
+            else:
+                layer.verify_batch(gpu, h, batch, k, slots, pool, ws, snaps, stream)
+
+    step()
+    g = gpu.capture(step, stream)
+    us = median_ms(gpu, lambda: g.replay(stream), stream, reps) * 1e3 / DECODE_LAYERS
+    nbytes = decode_bytes(cfg, layers[0].weights, k, batch, snapshots=k > 1)
+    gbps = nbytes / us / 1e3
+    _release(gpu, layers, pools, ws, h)
+    for p in (slots, snaps):
+        if p is not None:
+            gpu.free(p)
+    return DecodeResult(preset, "batch-decode" if k == 1 else "batch-verify", k, True, us,
+                        nbytes, gbps, gbps / ceil.copy_gbps, batch=batch)
 
 
 def _decode_kernel_times(gpu, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState], ws,
@@ -292,19 +336,21 @@ def _fla_layers(cfg: Glm5NextKdaConfig, n: int):
             for i in range(n)]
 
 
-def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str = "softplus") -> float:
-    """fla KimiDeltaAttention decode (per layer), over the same DECODE_LAYERS-layer walk."""
+def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str = "softplus",
+                  batch: int = 1) -> float:
+    """fla KimiDeltaAttention decode of `batch` sequences (per layer) after a prefill of
+    FLA_CACHE_TOKENS tokens each, over the same DECODE_LAYERS-layer walk."""
     import torch
     from fla.models.cache_utils import FLACache
     cfg = synthetic.preset_config(preset, gate)
     layers = _fla_layers(cfg, DECODE_LAYERS)
     cache = FLACache()
     with torch.no_grad():
-        prompt = torch.randn(1, FLA_CACHE_TOKENS, cfg.hidden_size, device="cuda",
+        prompt = torch.randn(batch, FLA_CACHE_TOKENS, cfg.hidden_size, device="cuda",
                              dtype=torch.bfloat16)
         for layer in layers:
             layer(prompt, past_key_values=cache, use_cache=True)
-        x = torch.randn(1, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(batch, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
 
         def step():
             for layer in layers:

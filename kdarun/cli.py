@@ -252,20 +252,34 @@ def inspect_cmd(checkpoint) -> None:
 @main.command("bench")
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="kimi-linear-48b",
               show_default=True)
-@click.option("--mode", type=click.Choice(["decode", "decode-k", "prefill"]), default="decode",
-              show_default=True)
-@click.option("--k", "k", type=int, default=4, show_default=True, help="Rows of decode-k.")
+@click.option("--mode", type=click.Choice(["decode", "decode-k", "prefill", "batch-decode",
+                                           "batch-verify"]), default="decode", show_default=True)
+@click.option("--k", "k", type=int, default=4, show_default=True,
+              help="Rows of decode-k; draft tokens a sequence of batch-verify.")
+@click.option("--batch", default="1,8,32,64,128,256", show_default=True,
+              help="Sequences a call of batch-decode / batch-verify, comma-separated.")
 @click.option("--graph/--eager", default=True, show_default=True,
-              help="Time CUDA-graph replays or eager calls (decode modes).")
+              help="Time CUDA-graph replays or eager calls (decode modes; batch modes replay).")
 @click.option("--tokens", default="64,1024,4096,16384", show_default=True,
               help="Prefill lengths, comma-separated.")
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_cmd(preset, mode, k, graph, tokens, with_fla, as_json) -> None:
-    """Time decode, decode_k or prefill on random weights and inputs (CUDA only)."""
+def bench_cmd(preset, mode, k, batch, graph, tokens, with_fla, as_json) -> None:
+    """Time decode, decode_k, batched decode or verify, or prefill on random weights and
+    inputs (CUDA only)."""
     from . import bench
+
+    def ints(text: str, flag: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise click.ClickException(f"{flag} must be comma-separated integers, got {text!r}")
+        if min(values) < 1:
+            raise click.ClickException(f"{flag} must be positive, got {text!r}")
+        return values
+
     try:
         gpu = open_backend("cuda", announce=False)
     except KdaError as e:
@@ -275,12 +289,14 @@ def bench_cmd(preset, mode, k, graph, tokens, with_fla, as_json) -> None:
     use_fla = with_fla and bench.fla_available()
     rows: list[dict] = []
     if mode == "prefill":
-        try:
-            ts = [int(x) for x in tokens.split(",")]
-        except ValueError:
-            raise click.ClickException(f"--tokens must be comma-separated integers, got {tokens!r}")
-        for r in bench.bench_prefill(gpu, preset, ts, stream, fla=use_fla):
+        for r in bench.bench_prefill(gpu, preset, ints(tokens, "--tokens"), stream, fla=use_fla):
             rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
+    elif mode.startswith("batch"):
+        for b in ints(batch, "--batch"):
+            r = bench.bench_batch(gpu, preset, b, 1 if mode == "batch-decode" else k, ceil, stream)
+            if use_fla and mode == "batch-decode":
+                r.fla_us = bench.fla_decode_us(preset, True, batch=b)
+            rows.append(vars(r) | {"vs_fla": r.fla_us / r.us if r.fla_us else None})
     else:
         kk = 1 if mode == "decode" else k
         r = bench.bench_decode(gpu, preset, kk, graph, ceil, stream)

@@ -42,13 +42,15 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
 
 
 def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
-                   out_gate, gate, beta, sync, N, K, M, ldg, H, D, R, lower_bound, bounded, ks,
+                   out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks,
                    ks_early, ks_gate, early_blocks, proj_blocks):
     # sync and the shares and block counts: how the CUDA blocks share the work; one host pass
-    # needs none
+    # needs none. qkv_parts holds rows 0..M-1 of each of its three [P, qkv] parts.
     qkv = H * D
     dense_gemv_bf16(gpu, w, x, qkv_proj, 3 * qkv, K, M, K, 3 * qkv)
-    _split_qkv(gpu, qkv_proj, qkv_parts, M, qkv)
+    for i in range(3):
+        gpu.rows(qkv_parts + i * P * qkv * 2, M, qkv, qkv, BF16)[...] = \
+            gpu.rows(qkv_proj + i * qkv * 2, M, 3 * qkv, qkv, BF16)
     f_a = gate_in  # then g_a, then b
     dense_gemv_bf16(gpu, w + 3 * qkv * K * 2, x, f_a, N - 3 * qkv, K, M, K, ldg)
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldg, qkv)
@@ -138,25 +140,56 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
             o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
-        qkv = H * D  # sync: the CUDA blocks' per-head counter; one host pass needs none
-        for r in range(nrows):
-            xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
-            _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)
-            row = gpu.view(cr, 3 * qkv, BF16).astype(F32)
-            q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
-            S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
-            S *= np.exp(gpu.view(gate + r * qkv * 4, (H, D), F32))[:, None, :]
-            resid = v - np.einsum("hvk,hk->hv", S, k)
-            S += gpu.view(beta + r * H * 4, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
-            core_r = core + r * qkv * 4
-            gpu.view(core_r, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * f32(scale))
-            gated_rmsnorm(gpu, core_r, out_gate + r * qkv * 2, o_norm_w, o_norm_out + r * qkv * 2,
-                          1, H, D, eps)
-            if r < nsnap:
-                gpu.view(snap_rec, (nsnap, H, D, D), F32)[r] = S
-                gpu.view(snap_conv, (nsnap, W - 1, 3 * qkv), BF16)[r] = \
-                    gpu.view(conv_state, (W - 1, 3 * qkv), BF16)
+        # sync: the CUDA blocks' per-head counter; one host pass needs none
+        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core,
+                         out_gate, o_norm_w, o_norm_out,
+                         [(snap_rec + i * rec, snap_conv + i * cst) for i in range(nsnap)], 0,
+                         nrows, H, W, scale, eps)
     return run
+
+
+def _kda_decode_batch(D):
+    def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
+            o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps):
+        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        table = gpu.view(slots, nseq, np.int32)
+        snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None
+        for b in range(nseq):
+            slot = int(table[b])
+            if slot < 0:  # a padding row
+                continue
+            to = [(rec_pool + int(i) * rec, conv_pool + int(i) * cst) if i >= 0 else None
+                  for i in (snaps[b] if nsnap else ())]
+            _decode_sequence(gpu, D, x, conv_pool + slot * cst, conv_w, conv_out, gate, beta,
+                             rec_pool + slot * rec, core, out_gate, o_norm_w, o_norm_out, to,
+                             b * nrows, nrows, H, W, scale, eps)
+    return run
+
+
+def _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
+                     o_norm_w, o_norm_out, snaps, row0, nrows, H, W, scale, eps):
+    """Rows row0.. of one sequence in order; the states after row r go to snaps[r] (a pair of
+    addresses, or None: skipped)."""
+    qkv = H * D
+    for r in range(row0, row0 + nrows):
+        xr, cr = x + r * 3 * qkv * 2, conv_out + r * 3 * qkv * 2
+        _conv_decode(gpu, xr, conv_state, conv_w, cr, 3 * qkv, qkv, W, D)
+        row = gpu.view(cr, 3 * qkv, BF16).astype(F32)
+        q, k, v = (row[i * qkv:(i + 1) * qkv].reshape(H, D) for i in range(3))
+        S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
+        S *= np.exp(gpu.view(gate + r * qkv * 4, (H, D), F32))[:, None, :]
+        resid = v - np.einsum("hvk,hk->hv", S, k)
+        S += gpu.view(beta + r * H * 4, H, F32)[:, None, None] * resid[:, :, None] * k[:, None, :]
+        core_r = core + r * qkv * 4
+        gpu.view(core_r, (H, D), F32)[...] = np.einsum("hvk,hk->hv", S, q * f32(scale))
+        gated_rmsnorm(gpu, core_r, out_gate + r * qkv * 2, o_norm_w, o_norm_out + r * qkv * 2,
+                      1, H, D, eps)
+        if r - row0 < len(snaps) and snaps[r - row0] is not None:
+            rec_at, conv_at = snaps[r - row0]
+            gpu.view(rec_at, (H, D, D), F32)[...] = S
+            gpu.view(conv_at, (W - 1, 3 * qkv), BF16)[...] = \
+                gpu.view(conv_state, (W - 1, 3 * qkv), BF16)
 
 
 # -- chunk (WY) ------------------------------------------------------------------------------
@@ -234,11 +267,13 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
 
 
 HOST_KERNELS: dict[str, dict] = {
-    "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv},
+    "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv,
+             "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
              "conv_roll_state": conv_roll_state},
-    "recurrent": {f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
+    "recurrent": {**{f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
+                  **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},

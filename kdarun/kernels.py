@@ -24,12 +24,17 @@ GEMV_WARPS = 8  # warps a GEMV block, each a tile or a share of one tile's K
 GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
 GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
 GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
+GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
+GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
+GEMV_BATCH_BLOCKS_PER_SM = 1  # batch GEMV blocks an SM holds
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
+DECODE_BATCH_SPLIT = 1  # blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 i32, f32 = np.int32, np.float32
+NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
 
 def compile_defines() -> tuple[str, ...]:
@@ -39,7 +44,9 @@ def compile_defines() -> tuple[str, ...]:
               "MAX_CONV_KERNEL": MAX_CONV_KERNEL, "L2_NORM_EPS": f"{L2_NORM_EPS!r}f",
               "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
-              "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
+              "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
+              "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
+              "DECODE_BATCH_SPLIT": DECODE_BATCH_SPLIT,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -91,12 +98,24 @@ class Glm5NextKdaKernels:
         return f32(0.0 if lb is None else lb), i32(lb is not None)
 
     # -- projections ---------------------------------------------------------------------
-    def _gemv_check(self, name: str, k: int, m: int, ldx: int) -> None:
-        if not 1 <= m <= MAX_DECODE_ROWS:
-            raise KdaError(f"{name}: rows must be in [1, {MAX_DECODE_ROWS}], got {m}")
+    @staticmethod
+    def _gemv_check(name: str, k: int, m: int, ldx: int) -> None:
+        if m < 1:
+            raise KdaError(f"{name}: rows must be positive, got {m}")
         if k % 8 or ldx % 8 or ldx < k:
             raise KdaError(f"{name}: need k and ldx multiples of 8 with ldx >= k; "
                            f"got k={k} ldx={ldx}")
+
+    @staticmethod
+    def _gemv_slabs(m: int) -> list[tuple[str, int, int]]:
+        """(entry suffix, first row, rows) of each launch a GEMV over m token rows takes: up
+        to GEMV_COLUMNS rows in one column group (decode, decode_k), else slabs of up to
+        GEMV_BATCH_GROUPS groups, each weight read once a slab. A row's sums are the same in
+        every entry, so its bits do not depend on m."""
+        if m <= GEMV_COLUMNS:
+            return [("", 0, m)]
+        rows = GEMV_BATCH_GROUPS * GEMV_COLUMNS
+        return [("_batch", m0, min(rows, m - m0)) for m0 in range(0, m, rows)]
 
     @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
@@ -105,12 +124,14 @@ class Glm5NextKdaKernels:
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
-        """y[m, n] = bf16(W[n, k] @ x[m, k]) for m <= 8 dense rows; each row's K order and
+        """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
-        self._launch("gemv", "dense_gemv_bf16", self._gemv_cfg(n, ks),
-                     (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n), i32(ks)), stream)
+        for suffix, m0, rows in self._gemv_slabs(m):
+            self._launch("gemv", f"dense_gemv_bf16{suffix}", self._gemv_cfg(n, ks),
+                         (w, x + m0 * k * 2, y + m0 * n * 2, i32(n), i32(k), i32(rows), i32(k),
+                          i32(n), i32(ks)), stream)
 
     @functools.cached_property
     def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:
@@ -136,18 +157,23 @@ class Glm5NextKdaKernels:
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
-        """Decode's front end over m rows of hidden [m, hidden] bf16, one launch: the packed
-        projection, q|k|v to qkv_proj and qkv_parts and f_a|g_a|b to gate_in
-        [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate, out_gate and beta.
-        sync [2] int32 orders the gates after the rows they read; zero on entry, left zero."""
+        """Decode's front end over m rows of hidden [m, hidden] bf16, one launch a slab of
+        rows (`_gemv_slabs`): the packed projection, q|k|v to qkv_proj [m, conv_dim] and
+        qkv_parts [3, m, qkv] and f_a|g_a|b to gate_in [m, gate_in_width], then from f_a|g_a|b
+        g_raw and the forget gate [m, qkv], out_gate [m, qkv] and beta [m, H]. sync [2] int32
+        orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         cfg, shares = self._front_end_plan
-        self._launch("gemv", "front_end_gemv", cfg,
-                     (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
-                      out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
-                      i32(c.gate_in_width), i32(c.num_heads), i32(c.head_dim), i32(c.rank),
-                      *self._gate_form(), *shares), stream)
+        for suffix, m0, rows in self._gemv_slabs(m):
+            at = lambda ptr, width, size=2: ptr + m0 * width * size  # noqa: E731
+            self._launch("gemv", f"front_end_gemv{suffix}", cfg,
+                         (w_in, at(hidden, c.hidden_size), at(gate_in, c.gate_in_width),
+                          at(qkv_parts, c.qkv), at(qkv_proj, c.conv_dim), f_b, g_b, a_log,
+                          dt_bias, at(g_raw, c.qkv), at(out_gate, c.qkv), at(gate, c.qkv, 4),
+                          at(beta, c.num_heads, 4), sync, i32(c.proj_rows), i32(c.hidden_size),
+                          i32(rows), i32(m), i32(c.gate_in_width), i32(c.num_heads),
+                          i32(c.head_dim), i32(c.rank), *self._gate_form(), *shares), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:
@@ -197,23 +223,52 @@ class Glm5NextKdaKernels:
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
                         snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int) -> None:
-        """nrows decode tokens in order, DECODE_SPLIT blocks per head, one launch: for each,
-        conv over the carried conv state + SiLU + L2 of q/k, the delta-rule step on state
-        [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place; the states
-        after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
+        """nrows decode tokens of one sequence in order, DECODE_SPLIT blocks per head, one
+        launch: for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule
+        step on state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place;
+        the states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
         [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
         rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
         core, out_gate, o_norm_out) advance a row a token."""
         c = self.cfg
-        if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
-            raise KdaError(f"kda_decode_rows: need 1 <= nrows <= {MAX_DECODE_ROWS} and "
-                           f"0 <= nsnap < nrows, got nrows={nrows} nsnap={nsnap}")
+        self._rows_check("kda_decode_rows", nrows, nsnap)
         cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
+
+    def kda_decode_batch(self, stream: int, x: DevicePtr, conv_pool: DevicePtr,
+                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr,
+                         beta: DevicePtr, rec_pool: DevicePtr, core: DevicePtr,
+                         out_gate: DevicePtr, o_norm_w: DevicePtr, o_norm_out: DevicePtr,
+                         slots: DevicePtr, snap_slots: DevicePtr | None, sync: DevicePtr,
+                         nseq: int, nrows: int) -> None:
+        """kda_decode_rows for nseq sequences of nrows rows each, one launch, the row buffers
+        holding them one after the other: sequence b's states are slot slots[b] (int32 [nseq]
+        on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
+        conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
+        (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
+        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row runs
+        kda_decode_rows' code, so a sequence's bits do not depend on its batch."""
+        c = self.cfg
+        nsnap = nrows - 1 if snap_slots is not None else 0
+        self._rows_check("kda_decode_batch", nrows, nsnap)
+        if nseq < 1:
+            raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
+        cfg = LaunchConfig((c.num_heads, DECODE_BATCH_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
+                     (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
+                      o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
+                      sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
+                      i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    @staticmethod
+    def _rows_check(name: str, nrows: int, nsnap: int) -> None:
+        if not 1 <= nrows <= MAX_DECODE_ROWS or not 0 <= nsnap < nrows:
+            raise KdaError(f"{name}: need 1 <= nrows <= {MAX_DECODE_ROWS} and 0 <= nsnap < "
+                           f"nrows, got nrows={nrows} nsnap={nsnap}")
 
     def kda_chunk_intra(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr,
                         gate: DevicePtr, beta: DevicePtr, qg: DevicePtr, kd: DevicePtr,

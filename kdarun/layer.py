@@ -21,6 +21,7 @@ from .config import MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError
 from .kernels import Glm5NextKdaKernels
+from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
 from .workspace import SPEC, Glm5NextKdaWorkspace
@@ -206,6 +207,62 @@ class Glm5NextKdaLayer:
             raise KdaError(f"decode_k: pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
         self.run_steps(gpu, self.decode_steps(hidden, k, state, ws, snapshots), k, state, ws,
                        stream)
+
+    # -- many sequences a call (serving) -------------------------------------------------------
+    def batch_steps(self, hidden: DevicePtr, b: int, k: int, slots: DevicePtr,
+                    pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
+                    snapshot_slots: DevicePtr | None = None) -> list[Step]:
+        """b sequences of k rows each over hidden [b*k, hidden] bf16 (sequence-major), their
+        states in `pool` at the device slot table slots [b] int32 (-1: a padding row): the
+        front end over all rows (every weight read once a slab of up to 64 rows), every
+        sequence's stateful walk in one launch, o_proj over all rows. With snapshot_slots
+        [b, k-1] int32 the state after row r of sequence i goes to pool slot
+        snapshot_slots[i, r] (-1: skipped)."""
+        c, w, rows = self.cfg, self.weights, b * k
+        return [self._front_end_step(hidden, rows, ws),
+                Step("decode_rows", f"kda_decode_batch_d{c.head_dim}",
+                     ("conv_out", "core", "o_norm_out"),
+                     lambda s: self.kernels.kda_decode_batch(
+                         s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,
+                         pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, slots,
+                         snapshot_slots, ws.ptr("decode_sync"), b, k)),
+                self._o_proj_step(rows, ws)]
+
+    def _check_batch(self, what: str, b: int, k: int, slots: DevicePtr, pool: KdaStatePool,
+                     ws: Glm5NextKdaWorkspace) -> None:
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1:
+            raise KdaError(f"{what}: the batch must be a positive integer, got {b!r}")
+        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DECODE_ROWS:
+            raise KdaError(f"{what}: k must be in [1, {MAX_DECODE_ROWS}], got {k!r}")
+        ws.check_tokens(b * k, what)
+        if pool.cfg != self.cfg:
+            raise KdaError(f"{what}: the state pool was made for a different config")
+        if not isinstance(slots, DevicePtr) or slots.is_null:
+            raise KdaError(f"{what}: slots must be a device pointer to int32 [{b}], got "
+                           f"{slots!r}")
+
+    def decode_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, slots: DevicePtr,
+                     pool: KdaStatePool, ws: Glm5NextKdaWorkspace, stream: int) -> None:
+        """One token for each of b sequences: hidden [b, hidden] bf16 -> ws.final_out [b,
+        hidden], sequence i's states read from and written back to pool slot slots[i]. Each
+        sequence's outputs and states are bit-identical to `decode` on the same state."""
+        self._check_batch("decode_batch", b, 1, slots, pool, ws)
+        self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream)
+
+    def verify_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, k: int, slots: DevicePtr,
+                     pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
+                     snapshot_slots: DevicePtr | None, stream: int) -> None:
+        """k draft tokens for each of b sequences (speculative verify): hidden [b*k, hidden]
+        bf16, sequence-major -> ws.final_out [b*k, hidden]. Each sequence is bit-identical to
+        `decode_k` on the same state; snapshot_slots [b, k-1] int32 (or None) receive the
+        state after each row but the last (-1: skipped)."""
+        self._check_batch("verify_batch", b, k, slots, pool, ws)
+        if snapshot_slots is not None and (not isinstance(snapshot_slots, DevicePtr)
+                                           or snapshot_slots.is_null):
+            raise KdaError(f"verify_batch: snapshot_slots must be a device pointer to int32 "
+                           f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
+        self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
+                       b * k, None, ws, stream)
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill_steps(self, hidden: DevicePtr, t: int, state: KdaSeqState,

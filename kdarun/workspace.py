@@ -110,9 +110,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
                "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "
                "(the last gate block resets them)", poison=False),
-    BufferSpec("decode_sync", lambda c, t, tp: (c.num_heads,), I32, False, "[H] int32",
-               "decode: blocks of a head done with the recurrent step; zero between calls (the "
-               "last block resets it)", poison=False),
+    BufferSpec("decode_sync", lambda c, t, tp: (t, c.num_heads), I32, False,
+               "[sequences, H] int32", "decode: blocks of a (sequence, head) done with the "
+               "recurrent step; zero between calls (the last block resets it)", poison=False),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
                                              c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),

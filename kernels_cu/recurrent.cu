@@ -28,18 +28,21 @@ __device__ __forceinline__ void stv(float* p, const float (&v)[2]) {
     *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
 }
 
-template <int D>
+// BATCH: a sequence of a batch, its snapshots at the indices snap_slots gives (< 0: skipped);
+// else decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
+template <int D, bool BATCH, int SPLIT>
 __device__ __forceinline__ void decode_rows(
     const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
     bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
-    int nrows, int nsnap, int H, int W, float scale, float eps) {
+    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv,
+    const int* __restrict__ snap_slots, int* __restrict__ sync, int nrows, int nsnap, int H,
+    int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
-    constexpr int ROWS = D / DECODE_SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
+    constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
     __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
-    __shared__ int last;
+    __shared__ int last, snap[BATCH ? MAX_DECODE_ROWS : 1];
     const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
@@ -50,6 +53,7 @@ __device__ __forceinline__ void decode_rows(
     // Every load that depends on nothing is issued first, so the state rows' latency overlaps
     // the conv's: this warp's rows of the state, then the taps of this thread's channel. Both
     // stay in registers for all nrows tokens and are written back once.
+    if (BATCH && tid < nsnap) snap[tid] = snap_slots[tid];  // read after the first barrier
     float* S = state + (u64)h * D * D;
     float s[ROWS_PER_WARP][E];
     if (warp < RW)
@@ -139,24 +143,26 @@ __device__ __forceinline__ void decode_rows(
                 o = warp_sum(o);
                 if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
             }
-            if (row < nsnap)  // the state after this row, for a partial accept to rewind to
+            const int si = BATCH ? snap[row] : row;
+            if (row < nsnap && si >= 0)  // the state after this row, for a partial accept
 #pragma unroll
                 for (int r = 0; r < ROWS_PER_WARP; ++r)
-                    stv(snap_rec + ((u64)row * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
+                    stv(snap_rec + ((u64)si * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
         }
-        if (row < nsnap && owner)
+        const int si = BATCH ? snap[row] : row;
+        if (row < nsnap && owner && si >= 0)
 #pragma unroll
             for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
-                if (j < W - 1) snap_conv[((u64)row * (W - 1) + j) * conv_dim + c] = tap[j];
+                if (j < W - 1) snap_conv[((u64)si * (W - 1) + j) * conv_dim + c] = tap[j];
         __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
     }
-    // The gated RMSNorm needs the head's D outputs from all DECODE_SPLIT blocks: the last block to
+    // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block to
     // finish (a counter per head, left at zero again) normalises every row, one warp a row, so
     // K rows pay one fence and one atomic, not K. It also stores the q/k conv state, which
     // every block read at its start.
     __threadfence();
     __syncthreads();
-    if (tid == 0) last = atomicAdd(&sync[h], 1) == DECODE_SPLIT - 1;
+    if (tid == 0) last = atomicAdd(&sync[h], 1) == SPLIT - 1;
     __syncthreads();
     if (last) {
         __threadfence();
@@ -191,9 +197,35 @@ __device__ __forceinline__ void decode_rows(
         const float* beta, float* state, float* core, const bf16* out_gate,                     \
         const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
         int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
-        decode_rows<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,      \
-                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W,     \
-                       scale, eps);                                                             \
+        decode_rows<D, false, DECODE_SPLIT>(x, conv_state, conv_w, conv_out, gate, beta, state, core,         \
+                              out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, nullptr,     \
+                              sync, nrows, nsnap, H, W, scale, eps);                            \
+    }
+// A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the
+// states of slot slots[b] in pools [slots, H, Dv, Dk] and [slots, W-1, conv_dim] (a slot < 0
+// is a padding row: its blocks read and write nothing); the state after its row r < nsnap goes
+// to pool slot snap_slots[b (nrows-1) + r] (< 0: skipped). sync has a counter per (sequence,
+// head). Each row runs decode's code, so a sequence's bits do not depend on its batch. A
+// batch fills the GPU with sequences, so DECODE_BATCH_SPLIT blocks (one) take a head: every
+// warp walks state rows and q, k and the decay are formed once.
+#define KDA_DECODE_BATCH(D)                                                                     \
+    extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_batch_d##D(                  \
+        const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate, \
+        const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
+        const float* o_norm_w, bf16* o_norm_out, const int* slots, const int* snap_slots,       \
+        int* sync, int nseq, int nrows, int nsnap, int H, int W, float scale, float eps) {      \
+        const int b = blockIdx.z, slot = b < nseq ? slots[b] : -1;                              \
+        if (slot < 0) return;                                                                   \
+        const int qkv = H * D, conv_dim = 3 * qkv;                                              \
+        const u64 r0 = (u64)b * nrows;                                                          \
+        decode_rows<D, true, DECODE_BATCH_SPLIT>(x + r0 * conv_dim, conv_pool + (u64)slot * (W - 1) * conv_dim,     \
+                             conv_w, conv_out + r0 * conv_dim, gate + r0 * qkv, beta + r0 * H,  \
+                             rec_pool + (u64)slot * H * D * D, core + r0 * qkv,                 \
+                             out_gate + r0 * qkv, o_norm_w, o_norm_out + r0 * qkv, rec_pool,    \
+                             conv_pool, snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0),      \
+                             sync + (u64)b * H, nrows, nsnap, H, W, scale, eps);                \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
+KDA_DECODE_BATCH(64)
+KDA_DECODE_BATCH(128)

@@ -117,3 +117,75 @@ def assert_windowed_matches_one(small: Env, big: Env, T: int, seed: int, out_tol
     assert rel(gpu.download(out, h.shape, BF16), one) < out_tol
     assert rel(win_state.download()[0], one_state.download()[0]) < state_tol
     gpu.free(hp), gpu.free(out)
+
+
+def batch_states(env: Env, n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """n distinct warm states (recurrent fp32, conv bf16): a warm state scaled per sequence."""
+    R, C = env.warm_state(seed=seed)
+    rng = np.random.default_rng(seed)
+    return [((R * rng.uniform(0.5, 1.5)).astype(np.float32),
+             (C.astype(np.float32) * rng.uniform(0.5, 1.5)).astype(BF16)) for _ in range(n)]
+
+
+def assert_batch_matches_single(env: Env, B: int, K: int, seed: int, pad: int = 2) -> None:
+    """decode_batch (K = 1) or verify_batch over B sequences in shuffled pool slots with `pad`
+    padding rows among them equals, bit for bit, decode / decode_k of each sequence alone on
+    the same state: outputs, final states and snapshots; slots no row names keep their bytes."""
+    from kdarun.pool import KdaStatePool
+    gpu, cfg = env.gpu, env.cfg
+    rng = np.random.default_rng(seed)
+    rows = B + pad
+    nseq_slots = B + 3  # 3 spare slots no row names
+    nsnap = rows * (K - 1)  # snapshot slots after the sequences'
+    pool = KdaStatePool(gpu, cfg, nseq_slots + nsnap)
+    order = rng.permutation(rows)  # sequence i sits at row order[i]; the rest are padding
+    slot_of = rng.permutation(nseq_slots)[:B]
+    table = np.full(rows, -1, np.int32)
+    table[order[:B]] = slot_of
+    snap_table = (nseq_slots + rng.permutation(nsnap)).astype(np.int32).reshape(rows, K - 1)
+    snap_table[order[B:]] = -1  # padding rows snapshot nothing
+    if K > 2:
+        snap_table[order[0], 0] = -1  # a skipped snapshot of a real sequence
+    states = batch_states(env, B, seed)
+    untouched = [s for s in range(pool.slots) if s not in set(slot_of) | set(snap_table.ravel())]
+    poison = (np.full((cfg.num_heads, cfg.head_dim, cfg.head_dim), np.nan, np.float32),
+              np.full((cfg.conv_kernel - 1, cfg.conv_dim), 7.0, np.float32).astype(BF16))
+    for s in untouched:
+        pool.upload(s, *poison)
+    for i, s in enumerate(slot_of):
+        pool.upload(int(s), *states[i])
+    h = random_hidden(rows * K, cfg.hidden_size, seed + 1)
+    d_table, d_snap, d_h = gpu.upload(table), gpu.upload(snap_table), gpu.upload(h)
+    env.ws.poison(0)
+    if K == 1:
+        env.layer.decode_batch(gpu, d_h, rows, d_table, pool, env.ws, 0)
+    else:
+        env.layer.verify_batch(gpu, d_h, rows, K, d_table, pool, env.ws, d_snap, 0)
+    out = env.ws.read("final_out", rows * K)
+    for i in range(B):
+        r = int(order[i])
+        single = env.state(*states[i])
+        dst = [env.state() for _ in range(K - 1)]
+        hp = gpu.upload(np.ascontiguousarray(h[r * K:(r + 1) * K]))
+        env.ws.poison(0)
+        if K == 1:
+            env.layer.decode(gpu, hp, single, env.ws, 0)
+        else:
+            env.layer.decode_k(gpu, hp, K, single, env.ws, [(d.recurrent, d.conv) for d in dst], 0)
+        assert np.array_equal(bits(out[r * K:(r + 1) * K]), bits(env.ws.read("final_out", K))), \
+            f"sequence {i}: output"
+        for a, b in zip(pool.download(int(slot_of[i])), single.download()):
+            assert np.array_equal(bits(a), bits(b)), f"sequence {i}: state"
+        for t, d in enumerate(dst):
+            if snap_table[r, t] >= 0:
+                for a, b in zip(pool.download(int(snap_table[r, t])), d.download()):
+                    assert np.array_equal(bits(a), bits(b)), f"sequence {i}: snapshot {t}"
+        gpu.free(hp)
+        for st in (single, *dst):
+            st.free()
+    for s in untouched:
+        rec, conv = pool.download(s)
+        assert np.isnan(rec).all() and np.array_equal(bits(conv), bits(poison[1])), f"slot {s}"
+    for p in (d_table, d_snap, d_h):
+        gpu.free(p)
+    pool.free()

@@ -17,6 +17,10 @@ def test_bench_paths_on_host(host):
     assert p.tokens == 65 and p.ms > 0 and p.core_ms > 0 and p.gemm_ms > 0
     assert set(p.kernels_ms) == {"gate_beta", "conv", "chunk_intra", "chunk_inter", "rmsnorm"}
     assert all(v > 0 for v in p.kernels_ms.values())
+    b = bench.bench_batch(host, "tiny", 3, 2, ceil, stream, reps=2)
+    assert (b.mode, b.batch, b.k) == ("batch-verify", 3, 2) and b.us > 0
+    one = bench.bench_batch(host, "tiny", 3, 1, ceil, stream, reps=2)
+    assert b.bytes > one.bytes  # a verify moves its rows and snapshots too
     table = bench.results_table([vars(r)])
     assert "decode-k" in table and "tiny" in table
     assert "row 1 kernels_us: front_end" in table

@@ -107,7 +107,8 @@ def test_dynamic_shared_memory_is_exported_and_fits(ptx):
                 assert name in exported, f"{name} takes dynamic shared memory but exports no size"
                 assert 0 < exported[name] <= SM90_SMEM_PER_BLOCK, (name, exported[name])
         assert set(exported) <= taking, fam
-    assert taking == {"dense_gemv_bf16", "front_end_gemv"} | {
+    assert taking == {f"{g}{s}" for g in ("dense_gemv_bf16", "front_end_gemv")
+                      for s in ("", "_batch")} | {
         f"kda_chunk_{k}_d{d}" for k in ("intra", "inter") for d in (64, 128)}
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Everything GPU in one run, for the device machine: the GPU tests, the decode and prefill
-benchmarks (with fla alongside where importable) and a short summary table last.
+"""Everything GPU in one run, for the device machine: the GPU tests, the decode, batched
+decode and verify, and prefill benchmarks (with fla alongside where importable) and a short
+summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
-        [--only decode|prefill] [--tokens 1024,4096] [--no-fla] [--pytest-args "-k prefill"]
+        [--only decode|batch|prefill] [--batch 1,8,64] [--tokens 1024,4096] [--no-fla]
+        [--pytest-args "-k prefill"]
 
 Installs nothing. The benchmarks run only if the tests pass. Full results go to
 $OUT/gpu_check.json when OUT is set.
@@ -42,7 +44,9 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer presets and lengths")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
-    ap.add_argument("--only", choices=("decode", "prefill"), help="one benchmark mode")
+    ap.add_argument("--only", choices=("decode", "batch", "prefill"), help="one benchmark mode")
+    ap.add_argument("--batch", default="1,8,32,64,128,256",
+                    help="sequences a call of batched decode, comma-separated")
     ap.add_argument("--tokens", help="prefill lengths, comma-separated")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
     args = ap.parse_args()
@@ -67,9 +71,11 @@ def main() -> int:
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
-        report["decode"], report["prefill"] = [], []
+        report["decode"], report["batch"], report["prefill"] = [], [], []
+        modes = {args.only} if args.only else {"decode", "batch", "prefill"}
+        batches = [int(x) for x in args.batch.split(",")]
         for preset in presets:
-            for k, graph in ((1, True), (1, False), (4, True)) if args.only != "prefill" else ():
+            for k, graph in ((1, True), (1, False), (4, True)) if "decode" in modes else ():
                 r = bench.bench_decode(gpu, preset, k, graph, ceil, stream)
                 if use_fla and k == 1:
                     r.fla_us = bench.fla_decode_us(preset, graph)
@@ -85,7 +91,17 @@ def main() -> int:
                 if graph:
                     print("  each launch (every layer in turn, graph-replayed), us: " + ", ".join(
                         f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
-            if args.only == "decode":
+            for b, k in [(b, 1) for b in batches] + [(64, 4)] if "batch" in modes else ():
+                r = bench.bench_batch(gpu, preset, b, k, ceil, stream)
+                if use_fla and k == 1:
+                    r.fla_us = bench.fla_decode_us(preset, True, batch=b)
+                report["batch"].append(vars(r))
+                vs = f" | fla {r.fla_us:.1f} us ({r.fla_us / r.us:.2f}x)" if r.fla_us else ""
+                rows.append((f"{r.mode} {preset}", f"B={b}" + (f" K={k}" if k > 1 else ""),
+                             f"{r.us:.1f} us, {100 * r.frac_copy:.0f}% of its memory floor"
+                             f"{vs}"))
+                print(rows[-1], flush=True)
+            if "prefill" not in modes:
                 continue
             for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
                 f_ms, f_core = r.fla_ms, r.fla_core_ms

@@ -1,0 +1,88 @@
+"""KdaStatePool: the states of many sequences of one layer, a slot each, for serving.
+
+One allocation holds every slot's recurrent state `[slots, H, D_v, D_k]` fp32 and one every
+slot's conv state `[slots, W-1, conv_dim]` bf16, each slot laid out as `KdaSeqState`. The
+batched calls take a device slot table (int32, one entry a sequence; -1 marks a padding row
+that reads and writes no state), so a captured CUDA graph replays with new assignments.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from .backend import DevicePtr, GpuBackend
+from .config import Glm5NextKdaConfig
+from .dtypes import BF16, F32
+from .errors import KdaError
+from .state import KdaSeqState, conv_shape, recurrent_shape
+
+
+class KdaStatePool:
+    """`slots` sequences' states, zeroed on creation."""
+
+    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, slots: int, stream: int = 0):
+        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
+            raise KdaError(f"state pool: slots must be a positive integer, got {slots!r}")
+        self.cfg, self.slots, self._gpu = cfg, int(slots), gpu
+        self.recurrent_nbytes = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
+        self.conv_nbytes = int(np.prod(conv_shape(cfg))) * BF16.itemsize
+        self.recurrent = gpu.alloc(self.slots * self.recurrent_nbytes)  # [slots, H, Dv, Dk] fp32
+        self.conv = gpu.alloc(self.slots * self.conv_nbytes)  # [slots, W-1, conv_dim] bf16
+        gpu.memset(self.recurrent, 0, self.slots * self.recurrent_nbytes, stream)
+        gpu.memset(self.conv, 0, self.slots * self.conv_nbytes, stream)
+
+    def _check(self, slot: int, what: str) -> int:
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or \
+                not 0 <= slot < self.slots:
+            raise KdaError(f"state pool {what}: slot must be an integer in [0, {self.slots}), "
+                           f"got {slot!r}")
+        return int(slot)
+
+    def recurrent_at(self, slot: int) -> DevicePtr:
+        return self.recurrent + self._check(slot, "recurrent_at") * self.recurrent_nbytes
+
+    def conv_at(self, slot: int) -> DevicePtr:
+        return self.conv + self._check(slot, "conv_at") * self.conv_nbytes
+
+    def state(self, slot: int) -> KdaSeqState:
+        """Slot `slot` as a `KdaSeqState` for the single-sequence calls (prefill, decode,
+        decode_k); it shares the pool's memory, which `free` of the pool releases."""
+        return _SlotState(self, self._check(slot, "state"))
+
+    def upload(self, slot: int, recurrent: np.ndarray, conv: np.ndarray, stream: int = 0) -> None:
+        """Set one slot's states from host arrays of exactly the state shapes and dtypes."""
+        self.state(slot).upload(recurrent, conv, stream)
+
+    def download(self, slot: int, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises."""
+        return self.state(slot).download(stream)
+
+    def zero(self, slots: Iterable[int], stream: int = 0) -> None:
+        """Zero the states of `slots`: new sequences start from there."""
+        for s in slots:
+            self._gpu.memset(self.recurrent_at(s), 0, self.recurrent_nbytes, stream)
+            self._gpu.memset(self.conv_at(s), 0, self.conv_nbytes, stream)
+
+    def copy(self, src: int, dst: int, stream: int = 0) -> None:
+        """Slot dst's states become slot src's (forking a sequence, or keeping a snapshot)."""
+        self._gpu.copy_d2d(self.recurrent_at(dst), self.recurrent_at(src), self.recurrent_nbytes,
+                           stream)
+        self._gpu.copy_d2d(self.conv_at(dst), self.conv_at(src), self.conv_nbytes, stream)
+
+    def free(self) -> None:
+        self._gpu.free(self.recurrent)
+        self._gpu.free(self.conv)
+
+
+class _SlotState(KdaSeqState):
+    """One slot of a pool, seen as a sequence's state: the pool owns the memory."""
+
+    def __init__(self, pool: KdaStatePool, slot: int):  # noqa: super() would allocate
+        self.cfg, self._gpu = pool.cfg, pool._gpu
+        self.recurrent = pool.recurrent + slot * pool.recurrent_nbytes
+        self.conv = pool.conv + slot * pool.conv_nbytes
+
+    def free(self) -> None:
+        raise KdaError("a pool slot's state is freed with its pool (KdaStatePool.free)")

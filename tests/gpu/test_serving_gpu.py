@@ -1,0 +1,111 @@
+"""Serving on CUDA: batched decode and batched verify bit-identical, sequence by sequence, to
+the single-sequence calls; graph replays with new slot tables; the same calls on PyTorch's
+tensors and stream, inside its graph capture too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdarun import DevicePtr
+from kdarun.pool import KdaStatePool
+from kdarun.run import random_hidden
+
+from ..helpers import assert_batch_matches_single, bits
+
+
+@pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
+def test_decode_batch_bit_identical_to_decode(pair, B):
+    cu, _ = pair
+    assert_batch_matches_single(cu, B, 1, seed=100 + B)
+
+
+@pytest.mark.parametrize("B, K", [(3, 4), (20, 8), (64, 4)])
+def test_verify_batch_bit_identical_to_decode_k(pair, B, K):
+    cu, _ = pair
+    assert_batch_matches_single(cu, B, K, seed=200 + B, pad=3)
+
+
+def test_graph_replay_with_new_slot_tables_equals_eager(pair):
+    cu, _ = pair
+    gpu, cfg = cu.gpu, cu.cfg
+    stream = gpu.create_stream()
+    pool = KdaStatePool(gpu, cfg, 80, stream)
+    for s in range(80):
+        pool.upload(s, *cu.warm_state(seed=300 + s % 7), stream)
+    start = [pool.download(s, stream) for s in range(80)]
+    table = gpu.upload(np.arange(64, dtype=np.int32), stream)
+    h = gpu.upload(random_hidden(64, cfg.hidden_size, 301), stream)
+    cu.layer.decode_batch(gpu, h, 64, table, pool, cu.ws, stream)  # every kernel loaded
+    graph = gpu.capture(lambda: cu.layer.decode_batch(gpu, h, 64, table, pool, cu.ws, stream),
+                        stream)
+    rng = np.random.default_rng(302)
+    for _ in range(3):
+        for s in range(80):
+            pool.upload(s, *start[s], stream)
+        new = rng.permutation(80)[:64].astype(np.int32)
+        new[rng.integers(0, 64, 5)] = -1
+        rows = random_hidden(64, cfg.hidden_size, int(rng.integers(1000)))
+        gpu.copy_h2d(table, new, stream)
+        gpu.copy_h2d(h, rows, stream)
+        graph.replay(stream)
+        replayed = gpu.download(cu.ws.final_out, (64, cfg.hidden_size), rows.dtype, stream)
+        states = [pool.download(s, stream) for s in range(80)]
+        for s in range(80):
+            pool.upload(s, *start[s], stream)
+        cu.layer.decode_batch(gpu, h, 64, table, pool, cu.ws, stream)
+        eager = gpu.download(cu.ws.final_out, (64, cfg.hidden_size), rows.dtype, stream)
+        live = new >= 0
+        assert np.array_equal(bits(replayed[live]), bits(eager[live]))
+        for s in range(80):
+            for a, b in zip(states[s], pool.download(s, stream)):
+                assert np.array_equal(bits(a), bits(b)), s
+    gpu.destroy_stream(stream)
+
+
+def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
+    """An engine's call: batched decode on torch tensors' data_ptr()s on torch's current
+    stream, eagerly and inside torch.cuda.graph capture, equals the native call bit for bit."""
+    torch = pytest.importorskip("torch")
+    from ..helpers import Env
+    env = Env(cuda, gpu_ckpts["bounded"], 64)
+    gpu, cfg = env.gpu, env.cfg
+    B = 16
+    h = random_hidden(B, cfg.hidden_size, 400)
+    table = np.random.default_rng(401).permutation(B).astype(np.int32)
+    start = [env.warm_state(seed=402 + s) for s in range(B)]
+    pool = KdaStatePool(gpu, cfg, B)
+
+    def reset():
+        for s in range(B):
+            pool.upload(s, *start[s])
+        gpu.synchronize(0)
+
+    reset()
+    native = gpu.upload(h), gpu.upload(table)
+    env.layer.decode_batch(gpu, native[0], B, native[1], pool, env.ws, 0)
+    want = env.ws.read("final_out", B)
+    want_states = [pool.download(s) for s in range(B)]
+
+    h_t = torch.from_numpy(h.view(np.int16)).cuda().view(torch.bfloat16)
+    t_t = torch.from_numpy(table).cuda()
+
+    def call():
+        env.layer.decode_batch(gpu, DevicePtr(h_t.data_ptr()), B, DevicePtr(t_t.data_ptr()),
+                               pool, env.ws, torch.cuda.current_stream().cuda_stream)
+
+    for capture in (False, True):
+        reset()
+        if capture:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call()
+            reset()
+            g.replay()
+        else:
+            call()
+        torch.cuda.synchronize()
+        assert np.array_equal(bits(env.ws.read("final_out", B)), bits(want)), capture
+        for s in range(B):
+            for a, b in zip(pool.download(s), want_states[s]):
+                assert np.array_equal(bits(a), bits(b)), (capture, s)

@@ -1,0 +1,80 @@
+"""Serving on the host backend: a state pool, batched decode and batched verify, each sequence
+bit-identical to the single-sequence calls whatever shares its batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdarun import KdaError
+from kdarun.pool import KdaStatePool
+
+from .helpers import Env, assert_batch_matches_single, bits, random_hidden
+
+
+@pytest.fixture(scope="module")
+def env(host, ckpts):
+    return Env(host, ckpts["bounded"], 256)
+
+
+@pytest.mark.parametrize("B", [1, 3, 8, 64])
+def test_decode_batch_bit_identical_to_decode(env, B):
+    assert_batch_matches_single(env, B, 1, seed=10 + B)
+
+
+@pytest.mark.parametrize("B, K", [(1, 2), (3, 4), (8, 3)])
+def test_verify_batch_bit_identical_to_decode_k(env, B, K):
+    assert_batch_matches_single(env, B, K, seed=20 + B, pad=1)
+
+
+def test_graph_replay_with_new_slot_table_equals_eager(env):
+    """A captured batched decode replays with a new slot table and new rows, as eager would."""
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 6)
+    for s in range(6):
+        pool.upload(s, *env.warm_state(seed=30 + s))
+    before = [pool.download(s) for s in range(6)]
+    table = gpu.upload(np.array([0, 1, 2], np.int32))
+    h = gpu.upload(random_hidden(3, cfg.hidden_size, 31))
+    graph = gpu.capture(lambda: env.layer.decode_batch(gpu, h, 3, table, pool, env.ws, 1), 1)
+    gpu.copy_h2d(table, np.array([5, -1, 3], np.int32), 0)
+    h2 = random_hidden(3, cfg.hidden_size, 32)
+    gpu.copy_h2d(h, h2, 0)
+    graph.replay(1)
+    replayed = env.ws.read("final_out", 3)
+    after = [pool.download(s) for s in (5, 3)]
+    for s, st in zip((5, 3), before[5:6] + before[3:4]):
+        pool.upload(s, *st)
+    eager_table = gpu.upload(np.array([5, -1, 3], np.int32))
+    env.layer.decode_batch(gpu, h, 3, eager_table, pool, env.ws, 0)
+    assert np.array_equal(bits(replayed[[0, 2]]), bits(env.ws.read("final_out", 3)[[0, 2]]))
+    for s, a in zip((5, 3), after):
+        for x, y in zip(a, pool.download(s)):
+            assert np.array_equal(bits(x), bits(y))
+    for s in (0, 1, 2, 4):  # named by no row of the replay
+        for x, y in zip(before[s], pool.download(s)):
+            assert np.array_equal(bits(x), bits(y)), s
+
+
+def test_pool_slots_and_errors(env):
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 3)
+    R, C = env.warm_state(seed=40)
+    pool.upload(1, R, C)
+    pool.copy(1, 2)
+    for a, b in zip(pool.download(2), (R, C)):
+        assert np.array_equal(bits(a), bits(b))
+    pool.zero([1])
+    assert not pool.download(1)[0].any()
+    with pytest.raises(KdaError, match=r"slot must be an integer in \[0, 3\), got 3"):
+        pool.download(3)
+    with pytest.raises(KdaError, match="freed with its pool"):
+        pool.state(0).free()
+    with pytest.raises(KdaError, match="slots must be a positive integer"):
+        KdaStatePool(gpu, cfg, 0)
+    h = gpu.upload(random_hidden(2, cfg.hidden_size, 41))
+    with pytest.raises(KdaError, match="slots must be a device pointer"):
+        env.layer.decode_batch(gpu, h, 2, None, pool, env.ws, 0)
+    with pytest.raises(KdaError, match="exceed the workspace"):
+        env.layer.decode_batch(gpu, h, 1000, gpu.upload(np.zeros(1000, np.int32)), pool,
+                               env.ws, 0)
