@@ -159,7 +159,7 @@ def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int,
 
 
 def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilings,
-                 stream: int, reps: int = 200, gate: str = "softplus") -> DecodeResult:
+                 stream: int, reps: int = 200, gate: str | None = None) -> DecodeResult:
     cfg = synthetic.preset_config(preset, gate)
     layers = bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max(k, 1))
@@ -190,7 +190,7 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
 
 
 def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings, stream: int,
-                reps: int = 100, gate: str = "softplus") -> DecodeResult:
+                reps: int = 100, gate: str | None = None) -> DecodeResult:
     """Batched decode (k = 1) or batched verify with snapshots of `batch` sequences, graph
     replays over DECODE_LAYERS layers, each with a pool of random states in shuffled slots."""
     cfg = synthetic.preset_config(preset, gate)
@@ -336,7 +336,7 @@ def _fla_layers(cfg: Glm5NextKdaConfig, n: int):
             for i in range(n)]
 
 
-def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str = "softplus",
+def fla_decode_us(preset: str, graph: bool, reps: int = 200, gate: str | None = None,
                   batch: int = 1) -> float:
     """fla KimiDeltaAttention decode of `batch` sequences (per layer) after a prefill of
     FLA_CACHE_TOKENS tokens each, over the same DECODE_LAYERS-layer walk."""
