@@ -181,7 +181,8 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     else:
         fn = step
     us = median_ms(gpu, fn, stream, reps) * 1e3 / DECODE_LAYERS
-    kernels = _decode_kernel_times(gpu, layers, states, ws, h, k, stream)
+    kernels = step_times(gpu, [layer.decode_steps(h, k, st, ws)
+                               for layer, st in zip(layers, states)], stream)
     nbytes = decode_bytes(cfg, layers[0].weights, k)
     gbps = nbytes / us / 1e3
     _release(gpu, layers, states, ws, h)
@@ -217,6 +218,8 @@ def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings
     step()
     g = gpu.capture(step, stream)
     us = median_ms(gpu, lambda: g.replay(stream), stream, reps) * 1e3 / DECODE_LAYERS
+    kernels = step_times(gpu, [layer.batch_steps(h, batch, k, slots, pool, ws, snaps)
+                               for layer, pool in zip(layers, pools)], stream)
     nbytes = decode_bytes(cfg, layers[0].weights, k, batch, snapshots=k > 1)
     gbps = nbytes / us / 1e3
     _release(gpu, layers, pools, ws, h)
@@ -224,16 +227,16 @@ def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings
         if p is not None:
             gpu.free(p)
     return DecodeResult(preset, "batch-decode" if k == 1 else "batch-verify", k, True, us,
-                        nbytes, gbps, gbps / ceil.copy_gbps, batch=batch)
+                        nbytes, gbps, gbps / ceil.copy_gbps, kernels_us=kernels, batch=batch)
 
 
-def _decode_kernel_times(gpu, layers: list[Glm5NextKdaLayer], states: list[KdaSeqState], ws,
-                         h, k: int, stream: int, repeat: int = 5) -> dict[str, float]:
-    """Microseconds of each step of one decode(_k) call: the step for every layer of the stack
-    in turn, `repeat` rounds captured in a graph and replayed, so host launch latency stays
-    out of the figure and each launch reads its layer's weights and state from DRAM, as in a
-    real decode (one layer again and again would find them in L2)."""
-    per_layer = [layer.decode_steps(h, k, st, ws) for layer, st in zip(layers, states)]
+def step_times(gpu: GpuBackend, per_layer: list[list[Step]], stream: int,
+               repeat: int = 5) -> dict[str, float]:
+    """Microseconds of each step of one decode call: the step for every layer of the stack in
+    turn (`per_layer`: each layer's table of the same call), `repeat` rounds captured in a graph
+    and replayed, so host launch latency stays out of the figure and each launch reads its
+    layer's weights and state from DRAM, as in a real decode (one layer again and again would
+    find them in L2)."""
     out = {}
     for i, step in enumerate(per_layer[0]):
         runs = [steps[i].run for steps in per_layer] * repeat

@@ -101,6 +101,8 @@ def main() -> int:
                              f"{r.us:.1f} us, {100 * r.frac_copy:.0f}% of its memory floor"
                              f"{vs}"))
                 print(rows[-1], flush=True)
+                print("  each step (every layer in turn, graph-replayed), us: " + ", ".join(
+                    f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
             if "prefill" not in modes:
                 continue
             for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
