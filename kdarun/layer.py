@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend
-from .config import MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError
 from .kernels import Glm5NextKdaKernels
@@ -339,3 +339,55 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
         n = min(ws.max_tokens(), t - start)
         layer.prefill(gpu, hidden + start * row, n, state, ws, stream)
         gpu.copy_d2d(out + start * row, ws.final_out, n * row, stream)
+
+
+def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
+                   cu_seqlens: Sequence[int], slots: Sequence[int],
+                   has_initial_state: Sequence[bool], pool: KdaStatePool,
+                   ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int,
+                   checkpoint_every: int = 0,
+                   checkpoint_slots: Sequence[Sequence[int]] | None = None) -> None:
+    """Prefill N sequences packed one after the other in hidden [T_total, hidden] bf16:
+    sequence i is rows cu_seqlens[i] .. cu_seqlens[i+1] (host ints, N+1 of them, from 0),
+    its state pool slot slots[i], which it starts from when has_initial_state[i] and from zero
+    otherwise, and where its final state goes. Every sequence's final_out rows go to out
+    [T_total, hidden] bf16 at its own rows. With checkpoint_every = n (a multiple of CHUNK, at
+    most the workspace's max_tokens) the state after each n tokens of sequence i goes to pool
+    slot checkpoint_slots[i][j] (after (j+1) n tokens; -1 skips one), one slot for each whole
+    n tokens of it. Each sequence runs as its own prefill (windows of n tokens, or of
+    max_tokens), so its rows and states are those of `prefill` on it alone."""
+    n_seq = len(slots)
+    bounds = [int(c) for c in cu_seqlens]
+    if len(bounds) != n_seq + 1 or len(has_initial_state) != n_seq or n_seq < 1:
+        raise KdaError(f"prefill_packed: need N >= 1 slots, N has_initial_state flags and N+1 "
+                       f"cu_seqlens; got {n_seq}, {len(has_initial_state)}, {len(bounds)}")
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or min(lengths) < 1:
+        raise KdaError(f"prefill_packed: cu_seqlens must start at 0 and rise by at least 1 a "
+                       f"sequence, got {bounds}")
+    if len(set(slots)) != n_seq:
+        raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
+    window = ws.max_tokens()
+    if checkpoint_every:
+        if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
+            raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
+                           f"[{CHUNK}, {ws.max_tokens()}] (the workspace's max_tokens), got "
+                           f"{checkpoint_every}")
+        want = [n // checkpoint_every for n in lengths]
+        got = [len(c) for c in checkpoint_slots or ()]
+        if got != want:
+            raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
+                           f"{want} slots a sequence, got {got}")
+        window = checkpoint_every
+    row = layer.cfg.hidden_size * BF16.itemsize
+    for i, (start, length) in enumerate(zip(bounds, lengths)):
+        state = pool.state(slots[i])
+        if not has_initial_state[i]:
+            pool.zero([slots[i]], stream)
+        for w0 in range(0, length, window):
+            n = min(window, length - w0)
+            layer.prefill(gpu, hidden + (start + w0) * row, n, state, ws, stream)
+            gpu.copy_d2d(out + (start + w0) * row, ws.final_out, n * row, stream)
+            j = (w0 + n) // window - 1
+            if checkpoint_every and n == window and checkpoint_slots[i][j] >= 0:
+                pool.copy(slots[i], checkpoint_slots[i][j], stream)

@@ -189,3 +189,56 @@ def assert_batch_matches_single(env: Env, B: int, K: int, seed: int, pad: int = 
     for p in (d_table, d_snap, d_h):
         gpu.free(p)
     pool.free()
+
+
+def assert_packed_matches_alone(env: Env, lengths: list[int], initial: list[bool], seed: int,
+                                checkpoint_every: int = 0, windows_exact: bool = True) -> None:
+    """prefill_packed of sequences of `lengths` (each with or without its initial state) equals
+    each sequence's own prefill, bit for bit: outputs and final states. With checkpoint_every,
+    the first checkpoint of each sequence equals the state after prefilling that prefix alone
+    bit for bit, and so do the later ones, the outputs and final states where the windows'
+    GEMMs give the rows the bits of one GEMM (`windows_exact`: the host's do; cuBLAS may pick
+    another algorithm for another row count, then they agree within the state tolerance)."""
+    from kdarun import KdaStatePool, prefill_packed
+    gpu, cfg = env.gpu, env.cfg
+    n, every = len(lengths), checkpoint_every
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    h = random_hidden(int(bounds[-1]), cfg.hidden_size, seed)
+    states = [env.warm_state(seed=seed + i) for i in range(n)]
+    per = max(lengths) // every if every else 0
+    ck = [[n + i * per + j for j in range(length // every)] if every else []
+          for i, length in enumerate(lengths)]
+    pool = KdaStatePool(gpu, cfg, n + n * per)
+    slots = list(range(n))[::-1]
+    for i, s in enumerate(slots):
+        pool.upload(s, *states[i])
+    d_h, out = gpu.upload(h), gpu.alloc(h.nbytes)
+    gpu.memset(out, 0xFF, h.nbytes, 0)
+    prefill_packed(env.layer, gpu, d_h, bounds, slots, initial, pool, env.ws, out, 0,
+                   every, ck if every else None)
+    got = gpu.download(out, h.shape, h.dtype)
+
+    def same(x, y, tol, what):
+        if windows_exact or not every:
+            assert np.array_equal(bits(x), bits(y)), what
+        else:
+            assert rel(x, y) < tol, what
+
+    for i in range(n):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        alone = env.state(*states[i]) if initial[i] else env.state()
+        same(got[a:b], env.prefill(h[a:b], alone), E2E_TOL, f"sequence {i}: output")
+        for x, y in zip(pool.download(slots[i]), alone.download()):
+            same(x, y, STATE_TOL, f"sequence {i}: state")
+        for j, slot in enumerate(ck[i]):
+            prefix = env.state(*states[i]) if initial[i] else env.state()
+            env.prefill(h[a:a + (j + 1) * every], prefix)
+            for x, y in zip(pool.download(slot), prefix.download()):
+                if j == 0:  # the first window is that prefix's own prefill
+                    assert np.array_equal(bits(x), bits(y)), f"sequence {i}: checkpoint 0"
+                else:
+                    same(x, y, STATE_TOL, f"sequence {i}: checkpoint {j}")
+            prefix.free()
+        alone.free()
+    gpu.free(d_h), gpu.free(out)
+    pool.free()

@@ -9,7 +9,8 @@ import pytest
 from kdarun import KdaError
 from kdarun.pool import KdaStatePool
 
-from .helpers import Env, assert_batch_matches_single, bits, random_hidden
+from .helpers import (Env, assert_batch_matches_single, assert_packed_matches_alone, bits,
+                      random_hidden)
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,30 @@ def test_pool_slots_and_errors(env):
     with pytest.raises(KdaError, match="exceed the workspace"):
         env.layer.decode_batch(gpu, h, 1000, gpu.upload(np.zeros(1000, np.int32)), pool,
                                env.ws, 0)
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_prefill_packed_equals_each_prefill(env, initial):
+    lengths = [1, 63, 64, 65, 200]
+    assert_packed_matches_alone(env, lengths, [initial, not initial, initial, True, initial], seed=60)
+
+
+def test_prefill_packed_checkpoints_equal_prefix_prefills(env):
+    assert_packed_matches_alone(env, [200, 64, 129], [True, False, True], seed=70, checkpoint_every=64)
+
+
+def test_prefill_packed_refuses_bad_packs(env):
+    from kdarun import prefill_packed
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 4)
+    h, out = gpu.upload(random_hidden(10, cfg.hidden_size, 80)), gpu.alloc(10 * cfg.hidden_size * 2)
+    call = lambda cu, slots, init, **kw: prefill_packed(  # noqa: E731
+        env.layer, gpu, h, cu, slots, init, pool, env.ws, out, 0, **kw)
+    with pytest.raises(KdaError, match="start at 0 and rise"):
+        call([0, 4, 4, 10], [0, 1, 2], [False] * 3)
+    with pytest.raises(KdaError, match="N\\+1 cu_seqlens"):
+        call([0, 10], [0, 1], [False, False])
+    with pytest.raises(KdaError, match="a slot of its own"):
+        call([0, 4, 10], [1, 1], [False, False])
+    with pytest.raises(KdaError, match="multiple of 64"):
+        call([0, 4, 10], [0, 1], [False, False], checkpoint_every=100, checkpoint_slots=[[], []])

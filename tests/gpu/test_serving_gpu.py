@@ -11,7 +11,7 @@ from kdarun import DevicePtr
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
-from ..helpers import assert_batch_matches_single, bits
+from ..helpers import assert_batch_matches_single, assert_packed_matches_alone, bits
 
 
 @pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
@@ -109,3 +109,16 @@ def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
         for s in range(B):
             for a, b in zip(pool.download(s), want_states[s]):
                 assert np.array_equal(bits(a), bits(b)), (capture, s)
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
+def test_prefill_packed_equals_each_prefill(pair, initial):
+    cu, _ = pair
+    assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000], [initial, not initial, initial, True,
+                                                            initial], seed=500)
+
+
+def test_prefill_packed_checkpoints_equal_prefix_prefills(pair):
+    cu, _ = pair
+    assert_packed_matches_alone(cu, [1000, 256, 300], [True, False, True], seed=510,
+                                checkpoint_every=256, windows_exact=False)
