@@ -19,7 +19,7 @@ from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .kernels import Glm5NextKdaKernels
-from .layer import Glm5NextKdaLayer, Step
+from .layer import Glm5NextKdaLayer, Step, prefill_packed
 from .loader import release_bound
 from .pool import KdaStatePool
 from .run import random_hidden
@@ -307,6 +307,65 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
     return out
 
 
+@dataclass
+class VarlenResult:
+    preset: str
+    mix: str  # e.g. "32x128": sequences x tokens each
+    tokens: int
+    ms: float  # prefill_packed of the mix
+    ms_checkpoints: float  # the same with the state checkpointed every CHECKPOINT_EVERY tokens
+    one_ms: float  # one prefill of as many tokens in one sequence, in the same run
+    fla_ms: float | None = None  # fla's layer over the mix, by cu_seqlens
+
+
+CHECKPOINT_EVERY = 256
+
+
+def parse_mix(text: str) -> list[tuple[int, int]]:
+    """'1x4096,32x128' -> [(1, 4096), (32, 128)]: (sequences, tokens each) a pack."""
+    try:
+        mix = [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        mix = []
+    if not mix or any(len(m) != 2 or min(m) < 1 for m in mix):
+        raise ValueError(f"a mix is NxT[,NxT...] with positive N and T, got {text!r}")
+    return mix
+
+
+def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], stream: int,
+                 gate: str = "bounded", fla: bool = False, reps: int = 10) -> list[VarlenResult]:
+    """Packed prefill of each (sequences, tokens each) of `mix`, from zero states, with and
+    without checkpoints, beside one prefill of as many tokens (and fla's layer over the same
+    pack with cu_seqlens), timed in turn rep by rep."""
+    cfg = synthetic.preset_config(preset, gate)
+    total = max(n * t for n, t in mix)
+    layer, ws, state, h = random_layer(gpu, cfg, total, stream)
+    out = gpu.alloc(total * cfg.hidden_size * BF16.itemsize)
+    results = []
+    for n, t in mix:
+        bounds = [i * t for i in range(n + 1)]
+        per = t // CHECKPOINT_EVERY
+        pool = KdaStatePool(gpu, cfg, n * (1 + per), stream)
+        slots, init = list(range(n)), [False] * n
+        ck = [[n + i * per + j for j in range(per)] for i in range(n)]
+
+        def packed(every: int = 0) -> None:
+            prefill_packed(layer, gpu, h, bounds, slots, init, pool, ws, out, stream, every,
+                           ck if every else None)
+        timers = [lambda: time_once(gpu, packed, stream),
+                  lambda: time_once(gpu, lambda: packed(CHECKPOINT_EVERY), stream),
+                  lambda: time_once(gpu, lambda: layer.prefill(gpu, h, n * t, state, ws, stream),
+                                    stream)]
+        if fla:
+            timers.append(_fla_varlen_timer(cfg, n, t))
+        ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
+        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one, *fla_ms))
+        pool.free()
+    gpu.free(out)
+    _release(gpu, [layer], [state], ws, h)
+    return results
+
+
 # -- fla, measured in the same process where it is importable ----------------------------------
 def fla_available() -> bool:
     try:
@@ -404,6 +463,19 @@ def _fla_prefill_timers(cfg: Glm5NextKdaConfig) -> Callable[[int], list[Callable
                 chunk_kda(q, k, v, g, beta, **kw)
         return [lambda: _torch_time_once(run_layer), lambda: _torch_time_once(run_core)]
     return timers
+
+
+def _fla_varlen_timer(cfg: Glm5NextKdaConfig, n: int, t: int) -> Callable[[], float]:
+    """A timer of fla's layer over n sequences of t tokens packed with cu_seqlens."""
+    import torch
+    (layer,) = _fla_layers(cfg, 1)
+    x = torch.randn(1, n * t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, n * t + 1, t, device="cuda", dtype=torch.int32)
+
+    def run() -> None:
+        with torch.no_grad():
+            layer(x, cu_seqlens=cu)
+    return lambda: _torch_time_once(run)
 
 
 def results_table(rows: list[dict]) -> str:

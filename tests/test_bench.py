@@ -3,6 +3,8 @@ this keeps the GPU tool from breaking where CI can see it)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kdarun import bench
 from kdarun.layer import Step
 
@@ -52,3 +54,11 @@ def test_medians_in_turn_alternates_and_takes_medians():
     a, b = bench.medians_in_turn([timer("a"), timer("b")], reps=3, warmup=1)
     assert calls == ["a", "b"] * 4
     assert (a, b) == (4.0, 5.0)  # a's timed reps read 2, 4, 6; b's 3, 5, 7
+
+
+def test_varlen_paths_on_host(host):
+    (r,) = bench.bench_varlen(host, "tiny", [(3, 256)], host.create_stream(), reps=1)
+    assert (r.mix, r.tokens) == ("3x256", 768) and min(r.ms, r.ms_checkpoints, r.one_ms) > 0
+    assert bench.parse_mix("1x4096,32x128") == [(1, 4096), (32, 128)]
+    with pytest.raises(ValueError, match="a mix is NxT"):
+        bench.parse_mix("32*128")

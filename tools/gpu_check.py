@@ -4,7 +4,8 @@ decode and verify, and prefill benchmarks (with fla alongside where importable) 
 summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
-        [--only decode|batch|prefill] [--batch 1,8,64] [--tokens 1024,4096] [--no-fla]
+        [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
+        [--tokens 1024,4096] [--no-fla]
         [--pytest-args "-k prefill"]
 
 Installs nothing. The benchmarks run only if the tests pass. Full results go to
@@ -44,7 +45,10 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer presets and lengths")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
-    ap.add_argument("--only", choices=("decode", "batch", "prefill"), help="one benchmark mode")
+    ap.add_argument("--only", choices=("decode", "batch", "varlen", "prefill"),
+                    help="one benchmark mode")
+    ap.add_argument("--mix", default="1x4096,8x512,32x128,128x32",
+                    help="packed prefills (kimi-linear-48b), sequences x tokens, comma-separated")
     ap.add_argument("--batch", default="1,8,32,64,128,256",
                     help="sequences a call of batched decode, comma-separated")
     ap.add_argument("--tokens", help="prefill lengths, comma-separated")
@@ -71,8 +75,8 @@ def main() -> int:
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
-        report["decode"], report["batch"], report["prefill"] = [], [], []
-        modes = {args.only} if args.only else {"decode", "batch", "prefill"}
+        report["decode"], report["batch"], report["varlen"], report["prefill"] = [], [], [], []
+        modes = {args.only} if args.only else {"decode", "batch", "varlen", "prefill"}
         batches = [int(x) for x in args.batch.split(",")]
         for preset in presets:
             for k, graph in ((1, True), (1, False), (4, True)) if "decode" in modes else ():
@@ -103,6 +107,16 @@ def main() -> int:
                 print(rows[-1], flush=True)
                 print("  each step (every layer in turn, graph-replayed), us: " + ", ".join(
                     f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
+            if "varlen" in modes and preset == "kimi-linear-48b":
+                for r in bench.bench_varlen(gpu, preset, bench.parse_mix(args.mix), stream,
+                                            fla=use_fla):
+                    report["varlen"].append(vars(r))
+                    vs = f" | fla {r.fla_ms:.2f} ms ({r.fla_ms / r.ms:.2f}x)" if r.fla_ms else ""
+                    rows.append((f"packed prefill {preset}", r.mix,
+                                 f"{r.ms:.2f} ms = {r.ms / r.one_ms:.2f}x one {r.tokens}-token "
+                                 f"prefill ({r.one_ms:.2f}); checkpoints every "
+                                 f"{bench.CHECKPOINT_EVERY}: {r.ms_checkpoints / r.ms:.2f}x{vs}"))
+                    print(rows[-1], flush=True)
             if "prefill" not in modes:
                 continue
             for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
