@@ -84,18 +84,31 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
         const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;
-#pragma unroll
-        for (int gi = 0; gi < G; ++gi) {
-            if (gi > 0) {
-                const int m = 8 * gi + g;
-                if (8 * gi >= M) break;
-                load_b(b, x + (u64)min(m, M - 1) * ldx + 2 * t, m < M, k0);
-            }
+        if constexpr (G == 1) {
 #pragma unroll
             for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
                 unsigned a[4];
                 ldmatrix_x4(a, st + ((2 * q + (mi >> 1)) ^ (row & 7)));
-                mma_bf16(c[gi][q & 1], a, b + 2 * q);
+                mma_bf16(c[0][q & 1], a, b + 2 * q);
+            }
+        } else {
+            // the stage's weight fragments once, then group by group, the next group's x in
+            // flight while this one's MMAs run (the same MMAs, in the same order, as G = 1)
+            unsigned a[GEMV_STAGE_K / 16][4];
+#pragma unroll
+            for (int q = 0; q < GEMV_STAGE_K / 16; ++q)
+                ldmatrix_x4(a[q], st + ((2 * q + (mi >> 1)) ^ (row & 7)));
+#pragma unroll
+            for (int gi = 0; gi < G; ++gi) {
+                if (8 * gi >= M) break;
+                unsigned nb[GEMV_STAGE_K / 8];
+                const int m = 8 * (gi + 1) + g;
+                if (gi + 1 < G && 8 * (gi + 1) < M)
+                    load_b(nb, x + (u64)min(m, M - 1) * ldx + 2 * t, m < M, k0);
+#pragma unroll
+                for (int q = 0; q < GEMV_STAGE_K / 16; ++q) mma_bf16(c[gi][q & 1], a[q], b + 2 * q);
+#pragma unroll
+                for (int i = 0; i < GEMV_STAGE_K / 8; ++i) b[i] = nb[i];
             }
         }
         __syncwarp();  // the whole warp is done with this slot before it is refilled

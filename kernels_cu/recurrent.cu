@@ -209,7 +209,7 @@ __device__ __forceinline__ void decode_rows(
 // batch fills the GPU with sequences, so DECODE_BATCH_SPLIT blocks (one) take a head: every
 // warp walks state rows and q, k and the decay are formed once.
 #define KDA_DECODE_BATCH(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_batch_d##D(                  \
+    extern "C" __global__ void __launch_bounds__(4 * D, 2) kda_decode_batch_d##D(                  \
         const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate, \
         const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
         const float* o_norm_w, bf16* o_norm_out, const int* slots, const int* snap_slots,       \
