@@ -31,9 +31,15 @@ struct NoWait {
 // beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
 // ready() runs in every thread after the first stages' weight copies are issued and before
 // any x is read, so a block whose x is still being written waits with its weights in flight.
+// The warps' rings, the GEMV kernels' dynamic shared memory.
+constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
+
+// The shares' partial sums [G][GEMV_WARPS][32]: one array for every gemv_tile of a G in a
+// kernel (front_end_gemv's two would otherwise take two, past the static limit at G = 8).
 template <int G>
-constexpr int gemv_smem() {
-    return GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2 + G * GEMV_WARPS * 32 * 16;
+__device__ __forceinline__ float4 (*gemv_part())[GEMV_WARPS][32] {
+    __shared__ float4 part[G][GEMV_WARPS][32];
+    return part;
 }
 
 template <int G, bool COHERENT = false, typename Ready = NoWait>
@@ -41,7 +47,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
                                           int ks, float (&out)[G][4], Ready ready = Ready()) {
     extern __shared__ uint4 stages[];  // [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8]
-    __shared__ float4 part[G][GEMV_WARPS][32];
+    float4 (*part)[GEMV_WARPS][32] = gemv_part<G>();
     constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // 16-byte runs a row, a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
@@ -244,7 +250,7 @@ __device__ __forceinline__ void front_end(
 // Each GEMV twice: for decode and decode_k (up to 8 token rows, one column group: the most
 // blocks an SM) and for batches (up to 8 GEMV_BATCH_GROUPS rows: every weight read once for
 // them all; one block an SM, whose 8 warps' two stages in flight keep the SM streaming, for
-// the accumulators' registers). Their dynamic shared memory (gemv_smem) is exported for the
+// the accumulators' registers). Their dynamic shared memory (the rings) is exported for the
 // CUDA backend.
 #define GEMV_ENTRIES(SUFFIX, G, BLOCKS)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS)                       \
@@ -263,8 +269,8 @@ __device__ __forceinline__ void front_end(
                      ks, ks_early, ks_gate, early_blocks, proj_blocks);                         \
     }                                                                                           \
     extern "C" {                                                                                \
-    __constant__ int dense_gemv_bf16##SUFFIX##_smem = gemv_smem<G>();                           \
-    __constant__ int front_end_gemv##SUFFIX##_smem = gemv_smem<G>();                            \
+    __constant__ int dense_gemv_bf16##SUFFIX##_smem = GEMV_RING_BYTES;                           \
+    __constant__ int front_end_gemv##SUFFIX##_smem = GEMV_RING_BYTES;                            \
     }
 GEMV_ENTRIES(, 1, GEMV_BLOCKS_PER_SM)
 GEMV_ENTRIES(_batch, GEMV_BATCH_GROUPS, GEMV_BATCH_BLOCKS_PER_SM)
