@@ -22,15 +22,6 @@ struct NoWait {
     __device__ void operator()() const {}
 };
 
-// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 G token rows in G column groups
-// of 8 (the MMA's N); true in the warp that then holds the sums in out[gi]: rows n0+g and
-// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call
-// it (it synchronises the block). Share j of ks takes stages j, j+ks, ...; dimensions past K
-// are zero-filled, rows past N read row N-1 and are never stored. A token row's sums take the
-// same MMAs in the same order for any G and M, so a row's bits do not depend on the rows
-// beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
-// ready() runs in every thread after the first stages' weight copies are issued and before
-// any x is read, so a block whose x is still being written waits with its weights in flight.
 // The warps' rings, the GEMV kernels' dynamic shared memory.
 constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
 
@@ -42,6 +33,15 @@ __device__ __forceinline__ float4 (*gemv_part())[GEMV_WARPS][32] {
     return part;
 }
 
+// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 G token rows in G column groups
+// of 8 (the MMA's N); true in the warp that then holds the sums in out[gi]: rows n0+g and
+// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call
+// it (it synchronises the block). Share j of ks takes stages j, j+ks, ...; dimensions past K
+// are zero-filled, rows past N read row N-1 and are never stored. A token row's sums take the
+// same MMAs in the same order for any G and M, so a row's bits do not depend on the rows
+// beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
+// ready() runs in every thread after the first stages' weight copies are issued and before
+// any x is read, so a block whose x is still being written waits with its weights in flight.
 template <int G, bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
