@@ -1,0 +1,151 @@
+"""Writing the user's files safely.
+
+Every file or directory kdarun writes (a checkpoint, a stage dump, a run's output) is claimed
+before the work that fills it: the target is checked (its directory exists, it may be
+written, it exists only when `force` says to replace it, and it is none of the run's inputs)
+and a temporary file or directory is created beside it, so a bad path is refused before any
+computation. The temporary is renamed into place once it is whole, so an interrupted write
+leaves the old target (or, for a directory being replaced, nothing in its place) and never a
+mix of old and new files; the temporary is removed when the write fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from types import TracebackType
+from typing import Callable, Mapping
+
+from .errors import KdaError
+
+FORCE_HINT = "pass --force (force=True) to replace it"
+
+
+def _claim(path: Path, what: str, make: Callable[[Path], None]) -> Path:
+    """Create (with `make`) a temporary beside `path`, named after it and hidden; refuses a
+    missing or unwritable directory."""
+    parent = path.parent
+    if not parent.exists():
+        raise KdaError(f"{what} {path}: its directory {parent} does not exist")
+    if not parent.is_dir():
+        raise KdaError(f"{what} {path}: {parent} is not a directory")
+    tmp = parent / f".{path.name}.{secrets.token_hex(4)}.partial"
+    try:
+        make(tmp)
+    except OSError as e:
+        raise KdaError(f"{what} {path}: cannot write in {parent} ({e.strerror})") from None
+    return tmp
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name the same file, through symbolic links."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class _Pending:
+    """A claimed target and its temporary; leaving a `with` block by an exception (Ctrl-C
+    included) removes the temporary."""
+
+    path: Path
+    tmp: Path
+
+    def __enter__(self) -> "_Pending":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is not None:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the temporary; the target is left as it was."""
+        _remove(self.tmp)
+
+
+class PendingFile(_Pending):
+    """An output file: refused when it is a directory, exists without `force`, or is one of
+    `protected` (a path -> what it is: the run's inputs, a checkpoint's files), which no
+    `force` replaces. `commit(write)` has `write` fill the temporary, then renames it into
+    place."""
+
+    def __init__(self, path: str | Path, *, force: bool, what: str = "output",
+                 protected: Mapping[Path, str] | None = None):
+        self.path = path = Path(os.path.abspath(path))
+        for other, role in (protected or {}).items():
+            if _same_file(path, Path(other)):
+                raise KdaError(f"{what} {path} would overwrite {role} {other}; choose another "
+                               "path (not even --force replaces it)")
+        if path.is_dir():
+            raise KdaError(f"{what} {path} is a directory, expected a file path")
+        if (path.exists() or path.is_symlink()) and not force:
+            raise KdaError(f"{what} {path} exists; {FORCE_HINT}")
+        self.tmp = _claim(path, what, lambda p: p.touch(exist_ok=False))
+
+    def commit(self, write: Callable[[Path], None]) -> Path:
+        try:
+            write(self.tmp)
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        return self.path
+
+
+class PendingDir(_Pending):
+    """An output directory, written whole into a temporary one: refused when it is a file,
+    or holds anything without `force`; with `force` it is replaced only when every entry is a
+    file `owned` accepts by name (a directory of another kind, or with other files in it, is
+    never replaced). `commit()` renames the temporary into place."""
+
+    def __init__(self, path: str | Path, *, force: bool, what: str,
+                 owned: Callable[[str], bool]):
+        self.path = path = Path(os.path.abspath(path))
+        if path.exists() and not path.is_dir():
+            raise KdaError(f"{what} {path} is a file, expected a directory")
+        held = sorted(os.listdir(path)) if path.is_dir() else []
+        if held and not force:
+            raise KdaError(f"{what} {path} exists and holds {_names(held)}; {FORCE_HINT}")
+        foreign = [n for n in held if not (owned(n) and (path / n).is_file())]
+        if foreign:
+            raise KdaError(f"{what} {path} holds {_names(foreign)}, which a {what} does not "
+                           "write; choose another directory (not even --force replaces it)")
+        self.tmp = _claim(path, what, lambda p: p.mkdir())
+
+    def commit(self) -> Path:
+        """Put the temporary in the target's place: a rename where the target is absent or
+        empty; else the old directory is moved aside first and removed after."""
+        try:
+            if not self.path.exists() or not os.listdir(self.path):
+                os.replace(self.tmp, self.path)
+                return self.path
+            old = self.path.parent / f".{self.path.name}.{secrets.token_hex(4)}.old"
+            os.rename(self.path, old)
+            try:
+                os.rename(self.tmp, self.path)
+            except BaseException:
+                os.rename(old, self.path)
+                raise
+        except BaseException:
+            self.discard()
+            raise
+        _remove(old)
+        return self.path
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
