@@ -49,6 +49,12 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _inside(path: str, directory: Path) -> bool:
+    """Whether `path` lies in `directory` (its own path, or through links)."""
+    return any(Path(path).is_relative_to(d)
+               for d in {directory, Path(os.path.realpath(directory))})
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -107,13 +113,18 @@ class PendingFile(_Pending):
 
 class PendingDir(_Pending):
     """An output directory, written whole into a temporary one: refused when it is a file,
-    or holds anything without `force`; with `force` it is replaced only when every entry is a
-    file `owned` accepts by name (a directory of another kind, or with other files in it, is
-    never replaced). `commit()` renames the temporary into place."""
+    holds one of `protected` (a path -> what it is), or holds anything without `force`; with
+    `force` it is replaced only when every entry is a file `owned` accepts by name (a
+    directory of another kind, or with other files in it, is never replaced). `commit()`
+    renames the temporary into place."""
 
     def __init__(self, path: str | Path, *, force: bool, what: str,
-                 owned: Callable[[str], bool]):
+                 owned: Callable[[str], bool], protected: Mapping[Path, str] | None = None):
         self.path = path = Path(os.path.abspath(path))
+        for other, role in (protected or {}).items():
+            if any(_inside(p, path) for p in (os.path.abspath(other), os.path.realpath(other))):
+                raise KdaError(f"{what} {path} holds {role} {other}; choose another directory "
+                               "(not even --force replaces it)")
         if path.exists() and not path.is_dir():
             raise KdaError(f"{what} {path} is a file, expected a directory")
         held = sorted(os.listdir(path)) if path.is_dir() else []

@@ -51,6 +51,7 @@ PRESETS: dict[str, Preset] = {
 }
 GATES = ("softplus", "bounded")
 DEFAULT_LAYERS = 45
+MAX_LAYERS = 1024  # a synthetic stack's depth at most, far beyond any model's
 DEFAULT_LOWER_BOUND = -5.0
 _FP32_TENSORS = ("A_log", "dt_bias", "o_norm.weight")  # the rest are written as bf16
 _SAFETENSORS_DTYPES = {BF16: "BF16", F32: "F32"}
@@ -69,7 +70,7 @@ def preset_config(preset: str, gate: str | None = None, layers: int = DEFAULT_LA
     gate = p.gate if gate is None else gate
     if gate not in GATES:
         raise KdaError(f"unknown gate {gate!r}; expected one of {GATES}")
-    layers = check_int(layers, "layers", 1)
+    layers = check_int(layers, "layers", 1, MAX_LAYERS)
     full = tuple(i for i in range(layers) if i % 4 == 3)
     kda = tuple(i for i in range(layers) if i not in full)
     return Glm5NextKdaConfig(p.hidden_size, p.num_heads, p.head_dim, conv_kernel=4,
