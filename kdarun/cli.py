@@ -160,7 +160,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             if output_path else None
         layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
         if layer_idx not in cfg.kda_layers:
-            raise KdaError(f"--layer {layer_idx} is not a KDA layer of {ckpt_path} "
+            raise KdaError(f"--layer {layer_idx} is not a KDA layer of "
+                           f"{checkpoint or 'the built-in demo checkpoint'} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
         hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
         if tokens is None:

@@ -163,11 +163,12 @@ class Glm5NextKdaConfig:
                                      n_layers, source)
         else:
             kda, full = _glm_layers(text, n_layers, where, source)
+        fields = {"hidden_size": _need(text, "hidden_size", where, source),
+                  "rms_norm_eps": text.get("rms_norm_eps", 1e-6), **_linear_fields(text, where,
+                                                                                    source)}
         try:
-            return cls(hidden_size=_need(text, "hidden_size", where, source),
-                       rms_norm_eps=text.get("rms_norm_eps", 1e-6), num_hidden_layers=n_layers,
-                       kda_layers=kda, full_attn_layers=full, layout=layout,
-                       **_linear_fields(text, where, source))
+            return cls(num_hidden_layers=n_layers, kda_layers=kda, full_attn_layers=full,
+                       layout=layout, **fields)
         except KdaError as e:
             raise KdaError(f"{source} ({layout} layout): {e}") from None
 

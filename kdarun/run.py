@@ -22,6 +22,7 @@ from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
 OUTPUT_SUFFIXES = (".npy", ".safetensors")
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass
@@ -64,12 +65,14 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
     NaN/Inf (as bf16) are refused, naming them."""
     path = Path(path)
     if path.suffix == ".npy":
+        with open(path, "rb") as f:
+            if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:  # else np.load tries it as a pickle
+                raise KdaError(f"{path}: not a .npy file (no .npy header; one array saved by "
+                               "numpy.save is expected)")
         try:
             arr = np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:
             raise KdaError(f"{path}: not a readable .npy file ({e})") from None
-        if not isinstance(arr, np.ndarray):
-            raise KdaError(f"{path}: expected one array (.npy), got an archive of several")
     elif path.suffix == ".safetensors":
         from safetensors.numpy import load_file
         try:
@@ -88,7 +91,8 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
         raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
     if arr.dtype not in (BF16, np.float32, np.float16, np.float64):
         raise KdaError(f"{path}: hidden states must be a float dtype, got {arr.dtype}")
-    arr = arr.astype(BF16)
+    with np.errstate(over="ignore"):  # values beyond bf16's range become Inf: refused below
+        arr = arr.astype(BF16)
     rows = np.flatnonzero(~np.isfinite(arr.astype(np.float32)).all(axis=1))
     if rows.size:
         raise KdaError(f"{path}: {rows.size} row(s) hold NaN/Inf (as bf16), the first "

@@ -188,6 +188,7 @@ class Glm5NextKdaWorkspace(DeviceOwner):
         return buffer_nbytes(self.cfg, name, t)
 
     def ptr(self, name: str) -> DevicePtr:
+        self._require_live(f"ptr({name!r})")
         if name not in SPEC:
             raise KdaError(f"workspace: no buffer {name!r}; the buffers are {sorted(SPEC)}")
         return self._ptrs[name]
@@ -205,7 +206,7 @@ class Glm5NextKdaWorkspace(DeviceOwner):
         for spec in BUFFERS:
             if not spec.poison:
                 continue
-            self._gpu.memset(self._ptrs[spec.name], 0xFF, self.nbytes(spec.name, self._max_tokens),
+            self._gpu.memset(self.ptr(spec.name), 0xFF, self.nbytes(spec.name, self._max_tokens),
                              stream)
 
     def read(self, name: str, t: int, stream: int = 0) -> np.ndarray:
