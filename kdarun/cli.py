@@ -152,8 +152,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         if input_path:
             inputs[Path(input_path)] = "the input"
         dump = claims.enter_context(claim_dump(dump_dir, force, inputs)) if dump_dir else None
-        if output_path and dump_dir and \
-                Path(output_path).resolve().parent == Path(dump_dir).resolve():
+        if output_path and dump_dir and Path(dump_dir).resolve() in (
+                Path(output_path).resolve(), Path(output_path).resolve().parent):
             raise KdaError(f"output {output_path} lies in the --dump-stages directory "
                            f"{dump_dir}, which the dump replaces whole; choose another path")
         out = claims.enter_context(claim_output(output_path, force, inputs)) \

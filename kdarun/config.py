@@ -210,6 +210,13 @@ class Glm5NextKdaConfig:
                 "text_config": {**text, "layer_types": layer_types, "linear_attn_config": lac}}
 
 
+def check_config(cfg: object, what: str) -> Glm5NextKdaConfig:
+    """`cfg` when it is a `Glm5NextKdaConfig`; else a KdaError naming `what`."""
+    if not isinstance(cfg, Glm5NextKdaConfig):
+        raise KdaError(f"{what}: cfg must be a Glm5NextKdaConfig, got {type(cfg).__name__}")
+    return cfg
+
+
 def hf_layout(cfg: dict[str, Any], source: str = "config.json") -> str:
     """The layout (one of `LAYOUTS`) of an HF config dict: its `model_type` where it has one,
     else its shape; anything else is refused with what is supported."""

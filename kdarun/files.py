@@ -64,10 +64,28 @@ def _remove(path: Path) -> None:
 
 class _Pending:
     """A claimed target and its temporary; leaving a `with` block by an exception (Ctrl-C
-    included) removes the temporary."""
+    included) removes the temporary. `commit(write)` has `write` fill the temporary, then
+    puts it in the target's place (`_install`); a write the system refuses (a full disk) is
+    a KdaError, and the target is left as it was."""
 
     path: Path
     tmp: Path
+    what: str
+
+    def commit(self, write: Callable[[Path], None]) -> Path:
+        try:
+            write(self.tmp)
+            self._install()
+        except BaseException as e:
+            self.discard()
+            if isinstance(e, OSError):
+                raise KdaError(f"{self.what} {self.path}: cannot be written "
+                               f"({e.strerror or e})") from None
+            raise
+        return self.path
+
+    def _install(self) -> None:
+        raise NotImplementedError
 
     def __enter__(self) -> "_Pending":
         return self
@@ -85,8 +103,7 @@ class _Pending:
 class PendingFile(_Pending):
     """An output file: refused when it is a directory, exists without `force`, or is one of
     `protected` (a path -> what it is: the run's inputs, a checkpoint's files), which no
-    `force` replaces. `commit(write)` has `write` fill the temporary, then renames it into
-    place."""
+    `force` replaces."""
 
     def __init__(self, path: str | Path, *, force: bool, what: str = "output",
                  protected: Mapping[Path, str] | None = None):
@@ -99,24 +116,17 @@ class PendingFile(_Pending):
             raise KdaError(f"{what} {path} is a directory, expected a file path")
         if (path.exists() or path.is_symlink()) and not force:
             raise KdaError(f"{what} {path} exists; {FORCE_HINT}")
-        self.tmp = _claim(path, what, lambda p: p.touch(exist_ok=False))
+        self.what, self.tmp = what, _claim(path, what, lambda p: p.touch(exist_ok=False))
 
-    def commit(self, write: Callable[[Path], None]) -> Path:
-        try:
-            write(self.tmp)
-            os.replace(self.tmp, self.path)
-        except BaseException:
-            self.discard()
-            raise
-        return self.path
+    def _install(self) -> None:
+        os.replace(self.tmp, self.path)
 
 
 class PendingDir(_Pending):
     """An output directory, written whole into a temporary one: refused when it is a file,
     holds one of `protected` (a path -> what it is), or holds anything without `force`; with
     `force` it is replaced only when every entry is a file `owned` accepts by name (a
-    directory of another kind, or with other files in it, is never replaced). `commit()`
-    renames the temporary into place."""
+    directory of another kind, or with other files in it, is never replaced)."""
 
     def __init__(self, path: str | Path, *, force: bool, what: str,
                  owned: Callable[[str], bool], protected: Mapping[Path, str] | None = None):
@@ -134,27 +144,22 @@ class PendingDir(_Pending):
         if foreign:
             raise KdaError(f"{what} {path} holds {_names(foreign)}, which a {what} does not "
                            "write; choose another directory (not even --force replaces it)")
-        self.tmp = _claim(path, what, lambda p: p.mkdir())
+        self.what, self.tmp = what, _claim(path, what, lambda p: p.mkdir())
 
-    def commit(self) -> Path:
-        """Put the temporary in the target's place: a rename where the target is absent or
-        empty; else the old directory is moved aside first and removed after."""
+    def _install(self) -> None:
+        """A rename where the target is absent or empty; else the old directory is moved
+        aside first (back again if the rename fails) and removed after."""
+        if not self.path.exists() or not os.listdir(self.path):
+            os.replace(self.tmp, self.path)
+            return
+        old = self.path.parent / f".{self.path.name}.{secrets.token_hex(4)}.old"
+        os.rename(self.path, old)
         try:
-            if not self.path.exists() or not os.listdir(self.path):
-                os.replace(self.tmp, self.path)
-                return self.path
-            old = self.path.parent / f".{self.path.name}.{secrets.token_hex(4)}.old"
-            os.rename(self.path, old)
-            try:
-                os.rename(self.tmp, self.path)
-            except BaseException:
-                os.rename(old, self.path)
-                raise
+            os.rename(self.tmp, self.path)
         except BaseException:
-            self.discard()
+            os.rename(old, self.path)
             raise
         _remove(old)
-        return self.path
 
 
 def _names(names: list[str], most: int = 5) -> str:

@@ -13,10 +13,10 @@ from typing import Iterable
 import numpy as np
 
 from .backend import DeviceOwner, DevicePtr, GpuBackend
-from .config import Glm5NextKdaConfig
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
-from .state import KdaSeqState, check_config, conv_shape, recurrent_shape
+from .state import KdaSeqState, conv_shape, recurrent_shape
 
 
 class KdaStatePool(DeviceOwner):

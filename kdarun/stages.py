@@ -108,11 +108,13 @@ def write_dump(out: PendingDir, recorder: StageRecorder, hidden: np.ndarray,
     backend, plan, seed...), `fingerprint` (`fingerprint()`) what it ran on."""
     tensors = dict(recorder.arrays)
     tensors[INPUT_KEY] = np.ascontiguousarray(hidden)
-    save_file(tensors, str(out.tmp / TENSORS_FILE))
     manifest = {"format": FORMAT, "run": run, "fingerprint": fingerprint,
                 "input_sha256": _sha(hidden), "stages": [asdict(r) for r in recorder.records]}
-    (out.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out.commit()
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / TENSORS_FILE))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out.commit(write)
 
 
 def _sha(a: np.ndarray) -> str:

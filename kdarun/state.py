@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import DeviceOwner, GpuBackend
-from .config import Glm5NextKdaConfig
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
 from .errors import KdaError
 
@@ -29,13 +29,6 @@ def recurrent_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int, int]:
 
 def conv_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int]:
     return (cfg.conv_kernel - 1, cfg.conv_dim)
-
-
-def check_config(cfg: object, what: str) -> Glm5NextKdaConfig:
-    """`cfg` when it is a `Glm5NextKdaConfig`; else a KdaError naming `what`."""
-    if not isinstance(cfg, Glm5NextKdaConfig):
-        raise KdaError(f"{what}: cfg must be a Glm5NextKdaConfig, got {type(cfg).__name__}")
-    return cfg
 
 
 class KdaSeqState(DeviceOwner):

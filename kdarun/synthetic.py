@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .checkpoint import LAYER_PREFIXES, SPELLINGS, TENSORS, tensor_name
-from .config import Glm5NextKdaConfig
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int, format_bytes
 from .files import PendingDir
@@ -167,9 +167,7 @@ def write_checkpoint(out: str | Path, cfg: Glm5NextKdaConfig, seed: int = 0, sha
     `force` and only when it holds nothing but a checkpoint's files, and an interrupted write
     leaves the old checkpoint (or nothing) there, never a mix.
     """
-    if not isinstance(cfg, Glm5NextKdaConfig):
-        raise KdaError(f"write_checkpoint: cfg must be a Glm5NextKdaConfig, got "
-                       f"{type(cfg).__name__}")
+    check_config(cfg, "write_checkpoint")
     seed = check_int(seed, "write_checkpoint: seed", 0)
     shards = check_int(shards, f"shards (one layer a shard at most, {cfg.num_hidden_layers} "
                                "layers)", 1, cfg.num_hidden_layers)
@@ -192,20 +190,22 @@ def write_checkpoint(out: str | Path, cfg: Glm5NextKdaConfig, seed: int = 0, sha
         if need > free:
             raise KdaError(f"checkpoint {pending.path}: needs {format_bytes(need)} of disk, "
                            f"{format_bytes(free)} free there")
-        rng = np.random.default_rng(seed)
-        for s, (fname, header) in enumerate(zip(names, headers)):
-            with open(pending.tmp / fname, "wb") as f:
-                f.write(header)
-                for i in (i for i in range(cfg.num_hidden_layers) if shard_of[i] == s):
-                    t = synth_layer_tensors(cfg, rng) if i in cfg.kda_layers else None
-                    for a in _stored_layer(cfg, i, t, spelling).values():
-                        np.ascontiguousarray(a).tofile(f)
-                    if progress is not None:
-                        progress(1)
-        if shards > 1:
-            weight_map = {k: fname for fname, shard in zip(names, layout) for k in shard}
-            (pending.tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": data}, "weight_map": weight_map},
-                           indent=1))
-        (pending.tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-        return pending.commit()
+
+        def write(tmp: Path) -> None:
+            rng = np.random.default_rng(seed)
+            for s, (fname, header) in enumerate(zip(names, headers)):
+                with open(tmp / fname, "wb") as f:
+                    f.write(header)
+                    for i in (i for i in range(cfg.num_hidden_layers) if shard_of[i] == s):
+                        t = synth_layer_tensors(cfg, rng) if i in cfg.kda_layers else None
+                        for a in _stored_layer(cfg, i, t, spelling).values():
+                            np.ascontiguousarray(a).tofile(f)
+                        if progress is not None:
+                            progress(1)
+            if shards > 1:
+                weight_map = {k: fname for fname, shard in zip(names, layout) for k in shard}
+                (tmp / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {"total_size": data}, "weight_map": weight_map},
+                               indent=1))
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+        return pending.commit(write)

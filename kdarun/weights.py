@@ -13,10 +13,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .backend import DeviceOwner, DevicePtr, GpuBackend
-from .config import Glm5NextKdaConfig
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
 from .errors import KdaError
-from .state import check_config
 
 PACKED_INPUT = ("q_proj.weight", "k_proj.weight", "v_proj.weight",
                 "f_a_proj.weight", "g_a_proj.weight", "b_proj.weight")

@@ -446,6 +446,9 @@ OUTPUTS = [
     Case("output-in-dump", lambda tmp, made: _out_args(tmp, made, tmp / "d/o.npy",
                                                        "--dump-stages", tmp / "d"), 1,
          "lies in the --dump-stages directory"),
+    Case("output-is-the-dump", lambda tmp, made: _out_args(tmp, made, tmp / "d.npy",
+                                                           "--dump-stages", tmp / "d.npy"), 1,
+         "lies in the --dump-stages directory"),
     Case("dump-over-dump", _dump_setup(force=False), 1,
          r"stage dump .*dump exists and holds manifest\.json; pass --force"),
     Case("dump-over-foreign", _dump_setup("notes.txt"), 1,
@@ -976,3 +979,25 @@ def test_host_memory_cap_counts_live_allocations():
     assert gpu.free_memory() == free - (1 << 20)
     gpu.free(p)
     assert gpu.free_memory() == free
+
+
+def test_make_checkpoint_checks_the_disk_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(
+        10 << 20, 10 << 20, 1 << 20))
+    r = invoke("make-checkpoint", tmp_path / "c", "--layers", "8")
+    assert_refused(r, 1, r"checkpoint .*/c: needs [\d.]+ MiB of disk, 1\.0 MiB free there")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_the_system_refuses_leaves_the_target(tmp_path):
+    from kdarun.files import PendingFile
+    target = tmp_path / "o.npy"
+    target.write_bytes(b"old")
+
+    def full(tmp: Path) -> None:
+        tmp.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(KdaError, match=r"output .*o\.npy: cannot be written \(No space left on "
+                                       r"device\)"):
+        PendingFile(target, force=True).commit(full)
+    assert os.listdir(tmp_path) == ["o.npy"] and target.read_bytes() == b"old"
