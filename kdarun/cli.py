@@ -148,15 +148,15 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
     with open_run_checkpoint(run) as ckpt_path, ExitStack() as claims:
         ckpt = Checkpoint(ckpt_path)
         cfg = ckpt.config
-        inputs = {Path(f): "the checkpoint's file" for f in ckpt.files()}
+        protected = {Path(f): "the checkpoint's file" for f in ckpt.files()}
         if input_path:
-            inputs[Path(input_path)] = "the input"
-        dump = claims.enter_context(claim_dump(dump_dir, force, inputs)) if dump_dir else None
+            protected[Path(input_path)] = "the input"
+        dump = claims.enter_context(claim_dump(dump_dir, force, protected)) if dump_dir else None
         if output_path and dump_dir and Path(dump_dir).resolve() in (
                 Path(output_path).resolve(), Path(output_path).resolve().parent):
             raise KdaError(f"output {output_path} lies in the --dump-stages directory "
                            f"{dump_dir}, which the dump replaces whole; choose another path")
-        out = claims.enter_context(claim_output(output_path, force, inputs)) \
+        out = claims.enter_context(claim_output(output_path, force, protected)) \
             if output_path else None
         layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
         if layer_idx not in cfg.kda_layers:

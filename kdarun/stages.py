@@ -5,10 +5,10 @@ A dump directory holds `stages.safetensors` (each stage's valid rows, bf16 kept 
 the run's input under `input.hidden`) and `manifest.json` (how to repeat the run, the
 fingerprint of what it ran on, and each stage's kernel, shape, dtype and layout, in the order
 written). The fingerprint (digests of the checkpoint's KDA config and of the layer's tensors)
-lets a comparison tell a checkpoint that changed since the dump from a kernel that went wrong. Stage keys are
-`<call>/<buffer>`: calls are `prefill`, `decode.<i>` and `decode_k`; per-token buffers of the
-stateful decode walk carry their row, `conv_out[2]`; states are `state.recurrent` and
-`state.conv`.
+lets a comparison tell a checkpoint that changed since the dump from a kernel that went wrong.
+Stage keys are `<call>/<buffer>`: calls are `prefill`, `decode.<i>` and `decode_k`; per-token
+buffers of the stateful decode walk carry their row, `conv_out[2]`; states are
+`state.recurrent` and `state.conv`.
 """
 
 from __future__ import annotations
