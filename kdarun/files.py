@@ -137,6 +137,9 @@ class PendingDir(_Pending):
                                "(not even --force replaces it)")
         if path.exists() and not path.is_dir():
             raise KdaError(f"{what} {path} is a file, expected a directory")
+        if path.is_dir() and _inside(os.getcwd(), path):
+            raise KdaError(f"{what} {path} is (or holds) the current directory, which writing "
+                           "it would replace; choose a directory below it")
         held = sorted(os.listdir(path)) if path.is_dir() else []
         if held and not force:
             raise KdaError(f"{what} {path} exists and holds {_names(held)}; {FORCE_HINT}")

@@ -981,6 +981,15 @@ def test_host_memory_cap_counts_live_allocations():
     assert gpu.free_memory() == free
 
 
+def test_the_current_directory_is_never_replaced(tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for args in (["make-checkpoint", "."], ["make-checkpoint", tmp_path, "--force"],
+                 ["layer-run", *RUN, "--dump-stages", "."]):
+        assert_refused(invoke(*args), 1, "is \\(or holds\\) the current directory")
+    assert os.listdir(tmp_path) == ["here"] and os.listdir(tmp_path / "here") == []
+
+
 def test_make_checkpoint_checks_the_disk_first(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(
         10 << 20, 10 << 20, 1 << 20))
