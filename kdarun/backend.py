@@ -9,20 +9,30 @@ backend runs a NumPy implementation of the same kernel with the same arguments.
 from __future__ import annotations
 
 import abc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .errors import KdaError
+from .errors import KdaError, check_int, format_bytes
 
 
 class DevicePtr(int):
-    """A device address in bytes. Offsets add bytes; `DevicePtr(0)` is the null pointer."""
+    """A device address in bytes. Offsets add whole bytes; `DevicePtr(0)` is the null pointer.
+    An address is a non-negative integer: a negative one (an offset past the start) or a
+    fractional offset is refused."""
+
+    def __new__(cls, address: int = 0) -> "DevicePtr":
+        if type(address) is not int or address < 0:  # the fast path: a plain int address
+            address = check_int(address, "DevicePtr: a device address", 0)
+        return super().__new__(cls, address)
 
     def __add__(self, nbytes: int) -> "DevicePtr":
-        return DevicePtr(int(self) + int(nbytes))
+        if type(nbytes) is not int:
+            nbytes = check_int(nbytes, f"DevicePtr offset from {self!r}: the byte count")
+        return DevicePtr(int(self) + nbytes)
 
     def offset(self, nbytes: int) -> "DevicePtr":
         return self + nbytes
@@ -33,6 +43,41 @@ class DevicePtr(int):
 
     def __repr__(self) -> str:
         return f"DevicePtr(0x{int(self):x})"
+
+
+class DeviceOwner:
+    """An object that owns device memory and gives it back with `free()`. Once freed, reading
+    any of its attributes named in `_DEVICE_ATTRS` and freeing it again raise KdaError: its
+    addresses may by then belong to another object, which using them would silently corrupt."""
+
+    _DEVICE_ATTRS: tuple[str, ...] = ()
+
+    @property
+    def freed(self) -> bool:
+        return self.__dict__.get("_freed", False)
+
+    @contextmanager
+    def _freeing(self) -> Iterator[None]:
+        """Wrap the body of `free()`: refuses a second free, and once the body has given the
+        memory back, forgets the device attributes."""
+        if self.freed:
+            raise KdaError(f"{type(self).__name__}.free(): already freed; a second free would "
+                           "give back memory that may belong to another object now")
+        yield
+        self.__dict__["_freed"] = True
+        for name in self._DEVICE_ATTRS:
+            self.__dict__.pop(name, None)
+
+    def _require_live(self, what: str) -> None:
+        if self.freed:
+            raise KdaError(f"{type(self).__name__}.{what}: the {type(self).__name__} was freed "
+                           "and cannot be used any more")
+
+    def __getattr__(self, name: str) -> Any:  # only reached where normal lookup failed
+        if name in type(self)._DEVICE_ATTRS and self.freed:
+            raise KdaError(f"{type(self).__name__} was freed: its {name} cannot be used any "
+                           "more (that memory may belong to another object now)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class Graph(Protocol):
@@ -65,6 +110,18 @@ class GpuBackend(abc.ABC):
     # -- memory --------------------------------------------------------------------------
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> DevicePtr: ...
+
+    @abc.abstractmethod
+    def free_memory(self) -> int:
+        """Bytes this backend can still allocate."""
+
+    def check_free_memory(self, nbytes: int, what: str) -> None:
+        """Refuse `what`, which needs `nbytes` of device memory, before any of it is allocated
+        when the device has less free."""
+        free = self.free_memory()
+        if nbytes > free:
+            raise KdaError(f"{what} needs {format_bytes(nbytes)} of device memory, but "
+                           f"{self.device_name} has {format_bytes(free)} free")
 
     @abc.abstractmethod
     def free(self, ptr: DevicePtr) -> None: ...

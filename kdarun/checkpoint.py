@@ -1,23 +1,27 @@
 """Reading KDA tensors from an HF-layout safetensors checkpoint, lazily.
 
 A checkpoint is a directory with `config.json` and either `model.safetensors` or a
-sharded `model.safetensors.index.json`; its files may be symbolic links (a Hugging Face
-cache snapshot links them into `../../blobs/`). The KDA layers live under one of
+sharded `model.safetensors.index.json` (never both: which one holds the weights would be a
+guess); its files may be symbolic links (a Hugging Face cache snapshot links them into
+`../../blobs/`), but the index names each shard by a path inside the directory, and no tensor
+is stored in two shards. The KDA layers live under one of
 `LAYER_PREFIXES` (`model.layers.` in Kimi Linear, `model.language_model.layers.` in
 GLM-5.3-Flash) and spell their attention tensors one of two ways (`SPELLINGS`): the
 released checkpoints' flat names with three separate convs, or transformers' module tree
 (`forget_gate.*` and one fused `conv1d`). Only the attention tensors of the KDA layers are
 read, one layer at a time; every tensor's shape and dtype are checked before its data is
-touched.
+touched, and a tensor holding NaN or Inf is refused, naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
 
 import numpy as np
 from safetensors import safe_open
@@ -30,6 +34,8 @@ FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP8_SCALE_SUFFIX = ".weight_scale_inv"  # block-FP8 checkpoints store each weight's scales here
 NOT_BF16_HINT = ("the KDA projections must be bf16: the checkpoint's quantization_config "
                  "should list them in modules_to_not_convert")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,27 @@ def tensor_name(prefix: str, layer_idx: int, short: str) -> str:
     return f"{prefix}{layer_idx}.self_attn.{short}"
 
 
+def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
+    """A SHA-256 over tensors (by name: name, dtype, shape and bytes): the fingerprint of the
+    weights a run used."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
+def nonfinite(name: str, arr: np.ndarray) -> str | None:
+    """None when `arr` is finite; else what and where: the count and the first index."""
+    bad = ~np.isfinite(arr.astype(np.float32))
+    n = int(np.count_nonzero(bad))
+    if not n:
+        return None
+    first = [int(i) for i in np.unravel_index(int(np.argmax(bad)), arr.shape)]
+    return f"{name} holds {n} NaN/Inf value(s), the first at {first}"
+
+
 def canonical(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Checkpoint shapes -> the shapes the runtime uses: `A_log` [H], conv weights [qkv, W]."""
     out = dict(tensors)
@@ -132,18 +159,56 @@ class Checkpoint:
         return tensor_name(self.prefix, layer_idx, short)
 
     def _read_weight_map(self) -> dict[str, Path]:
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
+        index, single = self.path / INDEX_FILE, self.path / SINGLE_FILE
+        if index.exists() and single.exists():
+            raise KdaError(f"checkpoint {self.path} holds both {SINGLE_FILE} and {INDEX_FILE}; "
+                           "which of them holds the weights is ambiguous (one is likely left "
+                           "over from an older checkpoint): remove the stale one")
         if index.exists():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise KdaError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-            return {name: self.path / shard for name, shard in wm.items()}
+            return self._read_index(index)
         if single.exists():
             return {name: single for name in self._keys(single)}
-        raise KdaError(f"checkpoint {self.path}: neither model.safetensors nor "
-                       "model.safetensors.index.json found")
+        raise KdaError(f"checkpoint {self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+    def _read_index(self, index: Path) -> dict[str, Path]:
+        """The index's weight map, checked: a JSON object whose `weight_map` maps each tensor
+        name once to a shard inside the directory, each shard holding the tensors the index
+        puts there and no other shard holding them too."""
+        def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            dup = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+            if dup:
+                raise KdaError(f"{index}: {dup[:3]} listed more than once; expected each "
+                               "tensor once")
+            return dict(pairs)
+
+        try:
+            doc = json.loads(index.read_text(), object_pairs_hook=once)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise KdaError(f"{index}: not a readable JSON file ({e})") from None
+        if not isinstance(doc, dict):
+            raise KdaError(f"{index}: expected a JSON object with a weight_map, got "
+                           f"{type(doc).__name__}")
+        wm = doc.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise KdaError(f"{index}: weight_map must be a non-empty object (tensor name -> "
+                           f"shard file), got {str(wm)[:60]}")
+        for name, shard in wm.items():
+            if not isinstance(shard, str) or not shard:
+                raise KdaError(f"{index}: weight_map[{name!r}] must be a shard file name, got "
+                               f"{shard!r}")
+            rel = PurePosixPath(shard)
+            if rel.is_absolute() or ".." in rel.parts or "\\" in shard:
+                raise KdaError(f"{index}: weight_map[{name!r}] is {shard!r}, outside the "
+                               f"checkpoint directory; expected a file name inside {self.path}")
+        files = {shard: self.path / shard for shard in set(wm.values())}
+        where: dict[str, str] = {}
+        for shard in sorted(files):
+            for key in self._keys(files[shard]):
+                if key in where:
+                    raise KdaError(f"checkpoint {self.path}: tensor {key} is stored in both "
+                                   f"{where[key]} and {shard}; which copy to read is ambiguous")
+                where[key] = shard
+        return {name: files[shard] for name, shard in wm.items()}
 
     def _find_prefix(self) -> str:
         """The one of `LAYER_PREFIXES` the KDA layers' attention tensors live under."""
@@ -171,6 +236,12 @@ class Checkpoint:
             return safe_open(str(file.resolve()), framework="numpy")
         except Exception as e:  # safetensors raises its own error type for corrupt files
             raise KdaError(f"{file}: not a readable safetensors file ({e})") from None
+
+    def files(self) -> list[Path]:
+        """Every file the checkpoint is read from: config.json, the index, the weight files."""
+        index = self.path / INDEX_FILE
+        return [self.path / "config.json", *([index] if index.exists() else []),
+                *sorted(set(self.weight_map.values()))]
 
     def _keys(self, file: Path) -> list[str]:
         with self._open(file) as f:
@@ -236,9 +307,13 @@ class Checkpoint:
     def layer_tensors(self, layer_idx: int) -> dict[str, np.ndarray]:
         """All KDA tensors of layer `layer_idx` (0-based), keyed by their `TENSORS` name
         whatever the spelling (a fused conv split into q, k, v), shapes canonical (`A_log`
-        as `[H]`, conv weights `[qkv, W]`), dtypes as stored."""
+        as `[H]`, conv weights `[qkv, W]`), dtypes as stored. A tensor holding NaN or Inf is
+        refused, naming it and where."""
         out: dict[str, np.ndarray] = {}
         for s, arr in self._read_layer(layer_idx):
+            bad = nonfinite(s.name, arr)
+            if bad:
+                raise KdaError(f"checkpoint {self.path}: {bad}")
             for spec, part in zip(s.holds, np.split(arr, len(s.holds))):
                 out[spec.name] = np.ascontiguousarray(part)
         return canonical(self.config, out)
@@ -271,8 +346,6 @@ class Checkpoint:
             except KdaError as e:
                 found.append(str(e))
                 continue
-            for s, arr in arrays:
-                bad = int(np.count_nonzero(~np.isfinite(arr.astype(np.float32))))
-                if bad:
-                    found.append(f"{s.name}: {bad} non-finite values")
+            found += [bad for s, arr in arrays if (bad := nonfinite(s.name, arr))]
         return found
+

@@ -1,28 +1,58 @@
-"""The `kdarun` command line: layer-run, make-checkpoint, inspect."""
+"""The `kdarun` command line: layer-run, make-checkpoint, inspect, stages, bench.
+
+Every user mistake (a file, flag or number that cannot work) is refused with one line that
+says what, where, what was expected and what was found, before any computation: exit code 1,
+or 2 for usage errors (click's own). `kdarun --debug ...` shows the traceback instead.
+Nothing the user owns is overwritten without `--force`, and no output may replace an input
+or a checkpoint's file.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
+from contextlib import ExitStack
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import click
 
 from . import synthetic
 from .backends import open_backend
 from .checkpoint import Checkpoint
-from .config import LAYOUTS
+from .config import LAYOUTS, MAX_DECODE_ROWS
 from .errors import KdaError
 from .loader import load_stack
-from .run import (DEMO, RunPlan, compare, open_run_checkpoint, random_hidden, read_hidden,
-                  reference_run, run_layer, write_output)
+from .run import (DEMO, ErrorReport, RunPlan, claim_output, compare, open_run_checkpoint,
+                  random_hidden, read_hidden, reference_run, run_layer, write_output)
 
 E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
+FORCE_HELP = "Replace what the output path already holds (never an input or a checkpoint file)."
 
 
-def _fail(e: KdaError) -> None:
-    raise click.ClickException(str(e))
+class _Cli(click.Group):
+    """The command group: a KdaError (or the host running out of memory) ends the command
+    with its message on one line and exit code 1, or with its traceback under --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (KdaError, MemoryError) as e:
+            if ctx.params.get("debug"):
+                raise
+            msg = str(e) if isinstance(e, KdaError) else \
+                "the host ran out of memory; use fewer tokens or a smaller preset"
+            raise click.ClickException(" ".join(msg.split())) from None
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kdarun")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -30,8 +60,25 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k.ljust(w)}  {v}" for k, v in rows)
 
 
+def _json(obj: Any) -> str:
+    """Strict JSON: a non-finite float (NaN, Inf) becomes null, never a bare NaN."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return json.dumps(clean(obj), indent=2, allow_nan=False)
+
+
+def _error_text(e: ErrorReport) -> str:
+    if e.nonfinite:
+        return f"{e.nonfinite} NaN/Inf value(s)"
+    return f"rel {e.rel:.3e}  max-abs {e.max_abs:.3e}"
+
+
 # Options that say where a run's results go, not what it computes: a repeat leaves them out.
-_NOT_REPEATED = {"output_path", "dump_dir", "as_json"}
+_NOT_REPEATED = {"output_path", "dump_dir", "as_json", "force"}
 
 
 def _repeat_command(**resolved) -> str:
@@ -58,8 +105,11 @@ def _repeat_command(**resolved) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-@click.group()
-def main() -> None:
+@click.group(cls=_Cli)
+@click.version_option(_version(), prog_name="kdarun")
+@click.option("--debug", is_flag=True,
+              help="Show an error's traceback instead of its one-line message.")
+def main(debug: bool) -> None:
     """kdarun: run one Kimi Delta Attention block through hand-written CUDA kernels."""
 
 
@@ -67,58 +117,82 @@ def main() -> None:
 @click.argument("checkpoint", required=False, type=click.Path(file_okay=False))
 @click.option("--layer", "layer_idx", type=int, default=None,
               help="0-based layer index in the stack (default: the first KDA layer).")
-@click.option("--tokens", type=int, default=None, help="Prefill tokens (default 100).")
-@click.option("--decode-steps", type=int, default=4, show_default=True,
+@click.option("--tokens", type=click.IntRange(0), default=None,
+              help="Prefill tokens (default 100, or what --input holds beyond the decodes).")
+@click.option("--decode-steps", type=click.IntRange(0), default=4, show_default=True,
               help="Single-token decodes after the prefill.")
-@click.option("--k", "k", type=int, default=0, show_default=True,
+@click.option("--k", "k", type=click.IntRange(0, MAX_DECODE_ROWS), default=0, show_default=True,
               help="Tokens of one decode_k (speculative verify) after the decodes.")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "host"]), default="auto",
-              show_default=True)
+              show_default=True,
+              help="cuda (CuPy on a GPU), host (the NumPy twins) or auto (cuda where usable).")
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, exists=True),
               help="Hidden states [N, hidden] (.npy or .safetensors); default random.")
 @click.option("--output", "output_path", type=click.Path(dir_okay=False),
               help="Write final_out (and states, for .safetensors) here.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random input.")
+@click.option("--force", is_flag=True, help=FORCE_HELP)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Seed of the random input.")
 @click.option("--dump-stages", "dump_dir", type=click.Path(file_okay=False),
               help="Write every stage of the run, in order, to this directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
-              seed, dump_dir, as_json) -> None:
+              force, seed, dump_dir, as_json) -> None:
     """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
 
     With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
-    from .stages import StageRecorder, write_dump
+    from .stages import StageRecorder, claim_dump, fingerprint, write_dump
     run: dict = {"checkpoint": {"demo": DEMO} if checkpoint is None
                  else {"path": str(Path(checkpoint).resolve())}}
-    try:
-        gpu = open_backend(backend, announce=not as_json)
-        with open_run_checkpoint(run) as ckpt_path:
-            ckpt = Checkpoint(ckpt_path)
-            cfg = ckpt.config
-            layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
-            hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
-            if tokens is None:
-                tokens = hidden.shape[0] - decode_steps - k if hidden is not None else 100
-            plan = RunPlan(tokens, decode_steps, k)
-            plan.check()
-            if hidden is None:
-                hidden = random_hidden(plan.total, cfg.hidden_size, seed)
-            hidden = hidden[:plan.total]
-            stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx])
-            recorder = StageRecorder() if dump_dir else None
-            result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
-            ref = reference_run(stack, layer_idx, hidden)
+    gpu = open_backend(backend, announce=not as_json)
+    with open_run_checkpoint(run) as ckpt_path, ExitStack() as claims:
+        ckpt = Checkpoint(ckpt_path)
+        cfg = ckpt.config
+        protected = {Path(f): "the checkpoint's file" for f in ckpt.files()}
+        if input_path:
+            protected[Path(input_path)] = "the input"
+        dump = claims.enter_context(claim_dump(dump_dir, force, protected)) if dump_dir else None
+        if output_path and dump_dir and Path(dump_dir).resolve() in (
+                Path(output_path).resolve(), Path(output_path).resolve().parent):
+            raise KdaError(f"output {output_path} lies in the --dump-stages directory "
+                           f"{dump_dir}, which the dump replaces whole; choose another path")
+        out = claims.enter_context(claim_output(output_path, force, protected)) \
+            if output_path else None
+        layer_idx = cfg.kda_layers[0] if layer_idx is None else layer_idx
+        if layer_idx not in cfg.kda_layers:
+            raise KdaError(f"--layer {layer_idx} is not a KDA layer of "
+                           f"{checkpoint or 'the built-in demo checkpoint'} "
+                           f"(0-based KDA layers: {list(cfg.kda_layers)})")
+        hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
+        if tokens is None:
+            tokens = hidden.shape[0] - decode_steps - k if hidden is not None else 100
+            if tokens < 0:
+                raise KdaError(f"--input {input_path} holds {hidden.shape[0]} rows, fewer than "
+                               f"--decode-steps {decode_steps} and --k {k} take")
+        plan = RunPlan(tokens, decode_steps, k)
+        plan.check()
+        if hidden is not None and hidden.shape[0] < plan.total:
+            raise KdaError(f"--input {input_path} holds {hidden.shape[0]} rows; the run takes "
+                           f"{plan.total} (prefill {plan.prefill} + decode steps "
+                           f"{plan.decode_steps} + k {plan.k})")
+        stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx])
+        if hidden is None:
+            hidden = random_hidden(plan.total, cfg.hidden_size, seed)
+        hidden = hidden[:plan.total]
+        recorder = StageRecorder() if dump else None
+        result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
+        tensors = stack.checkpoint.layer_tensors(layer_idx)
+        ref = reference_run(stack, layer_idx, hidden, tensors)
+        stack.free(gpu)
         run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
                    plan=vars(plan), config=cfg.to_hf(),
                    input={"path": str(Path(input_path).resolve())} if input_path else "random",
                    command=_repeat_command(layer_idx=layer_idx, tokens=plan.prefill,
                                            backend=gpu.name))
-        if recorder is not None:
-            write_dump(dump_dir, recorder, hidden, run)
-        if output_path:
-            write_output(output_path, result)
-    except KdaError as e:
-        _fail(e)
+        if dump is not None:
+            write_dump(dump, recorder, hidden, run, fingerprint(cfg, tensors))
+        if out is not None:
+            write_output(out, result)
     out_err = compare(result.final_out, ref.stages["final_out"])
     state_err = compare(result.recurrent_state, ref.recurrent_state)
     ok = out_err.ok(E2E_TOL) and state_err.ok(E2E_TOL)
@@ -128,12 +202,12 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                                                     ("decode", plan.decode_steps),
                                                     ("decode_k", plan.k)) if n)
     if as_json:
-        click.echo(json.dumps({
+        click.echo(_json({
             "backend": gpu.name, "device": gpu.device_name, "checkpoint": ckpt_label,
             "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
             "wall_ms": result.wall_ms, "final_out": vars(out_err),
             "recurrent_state": vars(state_err), "tolerance": E2E_TOL, "ok": ok,
-            "dump": dump_dir}, indent=2))
+            "dump": dump_dir}))
     else:
         wall = ", ".join(f"{p} {ms:.2f} ms" for p, ms in result.wall_ms.items())
         click.echo("kdarun layer-run")
@@ -144,11 +218,11 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                       f"D={cfg.head_dim}, hidden={cfg.hidden_size})"),
             ("mode", mode),
             ("tokens", str(plan.total)),
-            ("wall time", wall + (" (with stage dumps)" if dump_dir else "")),
-            ("final_out vs float64", f"rel {out_err.rel:.3e}  max-abs {out_err.max_abs:.3e}"),
-            ("state vs float64", f"rel {state_err.rel:.3e}  max-abs {state_err.max_abs:.3e}"),
+            ("wall time", wall + (" (with stage dumps)" if dump else "")),
+            ("final_out vs float64", _error_text(out_err)),
+            ("state vs float64", _error_text(state_err)),
             ("result", f"{'PASS' if ok else 'FAIL'} (tolerance rel < {E2E_TOL:g}, no NaN/Inf)"),
-        ] + ([("stages", f"{len(recorder.records)} written to {dump_dir}")] if dump_dir else [])))
+        ] + ([("stages", f"{len(recorder.records)} written to {dump_dir}")] if dump else [])))
     if not ok:
         sys.exit(1)
 
@@ -160,17 +234,15 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
 @click.option("--reference", "use_reference", is_flag=True,
               help="Compare with the float64 reference fed the dumped input.")
 @click.option("--only", multiple=True, help="Only these stages (key or buffer name); repeatable.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 def stages_cmd(dump, against, use_reference, only, as_json) -> None:
-    """Per-stage error of a stage dump; exits 1 when a stage is past its tolerance."""
+    """Per-stage error of a stage dump; exits 1 when a stage is past its tolerance. A dump
+    whose checkpoint changed since it was written is refused before any stage is blamed."""
     from .stages import compare_stages
     if bool(against) == use_reference:
-        raise click.ClickException("pass exactly one of --against OTHER_DIR or --reference")
-    try:
-        table = compare_stages(dump, against, list(only) or None)
-    except KdaError as e:
-        _fail(e)
-    click.echo(json.dumps(table.to_json(), indent=2) if as_json else table.format())
+        raise click.UsageError("pass exactly one of --against OTHER_DIR or --reference")
+    table = compare_stages(dump, against, list(only) or None)
+    click.echo(_json(table.to_json()) if as_json else table.format())
     if not table.ok:
         sys.exit(1)
 
@@ -178,32 +250,49 @@ def stages_cmd(dump, against, use_reference, only, as_json) -> None:
 @main.command("make-checkpoint")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="tiny",
-              show_default=True)
+              show_default=True, help="The model shape.")
 @click.option("--gate", type=click.Choice(synthetic.GATES), default=None,
               help="Gate form (default: the preset's own; bounded for glm-5.3-flash, else "
                    "softplus).")
-@click.option("--lower-bound", type=float, default=synthetic.DEFAULT_LOWER_BOUND,
-              show_default=True, help="gate_lower_bound of the bounded gate.")
-@click.option("--layers", type=int, default=synthetic.DEFAULT_LAYERS, show_default=True,
+@click.option("--lower-bound", type=click.FloatRange(-5.0, 0.0, max_open=True), default=None,
+              help=f"gate_lower_bound of the bounded gate, in [-5, 0) (default "
+                   f"{synthetic.DEFAULT_LOWER_BOUND:g}); the softplus gate has none.")
+@click.option("--layers", type=click.IntRange(1, synthetic.MAX_LAYERS),
+              default=synthetic.DEFAULT_LAYERS, show_default=True,
               help="Layers in the stack (every 4th is attention).")
 @click.option("--layout", type=click.Choice(LAYOUTS), default=None,
               help="Checkpoint layout (default: the preset's own; glm5_next for glm-5.3-flash, "
                    "else kimi_linear).")
-@click.option("--shards", type=int, default=None,
+@click.option("--shards", type=click.IntRange(1), default=None,
               help="Files the layers are spread over, with an index when more than one "
                    "(default: the preset's own, at most one a layer; 4 for glm-5.3-flash, "
                    "else 1).")
-@click.option("--seed", type=int, default=0, show_default=True)
-def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed) -> None:
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Seed of the weights.")
+@click.option("--force", is_flag=True,
+              help="Replace the checkpoint OUT holds (only a checkpoint's files, no others).")
+def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed,
+                    force) -> None:
     """Write a seeded synthetic checkpoint in the HF Kimi Linear or GLM-5.3-Flash layout to
-    OUT."""
+    OUT, a layer at a time, into a temporary directory that then takes OUT's place."""
+    gate = synthetic.PRESETS[preset].gate if gate is None else gate
+    if lower_bound is not None and gate == "softplus":
+        raise click.UsageError(f"--lower-bound applies to the bounded gate, and the gate is "
+                               f"softplus (preset {preset}); pass --gate bounded with it")
     if shards is None:
         shards = min(synthetic.PRESETS[preset].shards, layers)
-    try:
-        cfg = synthetic.preset_config(preset, gate, layers, lower_bound, layout)
-        path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards)
-    except (KdaError, ValueError) as e:
-        raise click.ClickException(str(e))
+    cfg = synthetic.preset_config(preset, gate, layers, synthetic.DEFAULT_LOWER_BOUND
+                                  if lower_bound is None else lower_bound, layout)
+    with ExitStack() as on_exit:
+        bar: list = []  # the progress bar, shown from the first layer written (after the checks)
+
+        def advance(n: int) -> None:
+            if not bar:
+                bar.append(on_exit.enter_context(click.progressbar(
+                    length=layers, label=f"writing {out}", file=sys.stderr)))
+            bar[0].update(n)
+        path = synthetic.write_checkpoint(out, cfg, seed=seed, shards=shards, force=force,
+                                          progress=advance)
     click.echo(f"wrote {path}: preset {preset}, {cfg.layout} layout, {cfg.gate_form} gate, "
                f"{layers} layers ({len(cfg.kda_layers)} KDA), {shards} shard(s)")
 
@@ -212,10 +301,7 @@ def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 def inspect_cmd(checkpoint) -> None:
     """Show a checkpoint's layout, KDA config, layers and tensors, and any problems found."""
-    try:
-        ckpt = Checkpoint(checkpoint)
-    except KdaError as e:
-        _fail(e)
+    ckpt = Checkpoint(checkpoint)
     cfg = ckpt.config
     click.echo(f"checkpoint {checkpoint}")
     click.echo(_table([
@@ -249,50 +335,50 @@ def inspect_cmd(checkpoint) -> None:
         sys.exit(1)
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, text: str) -> list[int]:
+    """A comma-separated list of positive integers (a click callback)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise click.BadParameter(f"expected positive integers, got {text!r}")
+    return values
+
+
 @main.command("bench")
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="kimi-linear-48b",
-              show_default=True)
+              show_default=True, help="The model shape.")
 @click.option("--mode", type=click.Choice(["decode", "decode-k", "prefill", "batch-decode",
-                                           "batch-verify"]), default="decode", show_default=True)
-@click.option("--k", "k", type=int, default=4, show_default=True,
+                                           "batch-verify"]), default="decode", show_default=True,
+              help="What to time.")
+@click.option("--k", "k", type=click.IntRange(1, MAX_DECODE_ROWS), default=4, show_default=True,
               help="Rows of decode-k; draft tokens a sequence of batch-verify.")
-@click.option("--batch", default="1,8,32,64,128,256", show_default=True,
+@click.option("--batch", default="1,8,32,64,128,256", show_default=True, callback=_int_list,
               help="Sequences a call of batch-decode / batch-verify, comma-separated.")
 @click.option("--graph/--eager", default=True, show_default=True,
               help="Time CUDA-graph replays or eager calls (decode modes; batch modes replay).")
-@click.option("--tokens", default="64,1024,4096,16384", show_default=True,
+@click.option("--tokens", default="64,1024,4096,16384", show_default=True, callback=_int_list,
               help="Prefill lengths, comma-separated.")
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench_cmd(preset, mode, k, batch, graph, tokens, with_fla, as_json) -> None:
     """Time decode, decode_k, batched decode or verify, or prefill on random weights and
     inputs (CUDA only)."""
     from . import bench
 
-    def ints(text: str, flag: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",")]
-        except ValueError:
-            raise click.ClickException(f"{flag} must be comma-separated integers, got {text!r}")
-        if min(values) < 1:
-            raise click.ClickException(f"{flag} must be positive, got {text!r}")
-        return values
-
-    try:
-        gpu = open_backend("cuda", announce=False)
-    except KdaError as e:
-        _fail(e)
+    gpu = open_backend("cuda", announce=False)
     stream = gpu.create_stream()
     ceil = bench.measure_ceilings(gpu, stream)
     use_fla = with_fla and bench.fla_available()
     rows: list[dict] = []
     if mode == "prefill":
-        for r in bench.bench_prefill(gpu, preset, ints(tokens, "--tokens"), stream, fla=use_fla):
+        for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
             rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
     elif mode.startswith("batch"):
-        for b in ints(batch, "--batch"):
+        for b in batch:
             r = bench.bench_batch(gpu, preset, b, 1 if mode == "batch-decode" else k, ceil, stream)
             if use_fla and mode == "batch-decode":
                 r.fla_us = bench.fla_decode_us(preset, True, batch=b)
@@ -304,8 +390,7 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, with_fla, as_json) -> None:
             r.fla_us = bench.fla_decode_us(preset, graph)
         rows.append(vars(r) | {"vs_fla": r.fla_us / r.us if r.fla_us else None})
     if as_json:
-        click.echo(json.dumps({"device": gpu.device_name, "ceilings": vars(ceil), "rows": rows},
-                              indent=2))
+        click.echo(_json({"device": gpu.device_name, "ceilings": vars(ceil), "rows": rows}))
         return
     click.echo(f"{gpu.device_name}: copy {ceil.copy_gbps:.0f} GB/s, bf16 GEMM "
                f"{ceil.gemm_tflops:.0f} TFLOP/s (measured in this run)")

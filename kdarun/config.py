@@ -89,7 +89,7 @@ class Glm5NextKdaConfig:
         n = self.num_hidden_layers
         for name in ("kda_layers", "full_attn_layers"):
             for i in getattr(self, name):
-                if not isinstance(i, int) or not 0 <= i < n:
+                if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
                     raise bad(name, f"0-based layer indices in [0, {n})", i)
         if not self.kda_layers:
             raise bad("kda_layers", "a non-empty list", list(self.kda_layers))
@@ -163,11 +163,12 @@ class Glm5NextKdaConfig:
                                      n_layers, source)
         else:
             kda, full = _glm_layers(text, n_layers, where, source)
+        fields = {"hidden_size": _need(text, "hidden_size", where, source),
+                  "rms_norm_eps": text.get("rms_norm_eps", 1e-6), **_linear_fields(text, where,
+                                                                                    source)}
         try:
-            return cls(hidden_size=_need(text, "hidden_size", where, source),
-                       rms_norm_eps=text.get("rms_norm_eps", 1e-6), num_hidden_layers=n_layers,
-                       kda_layers=kda, full_attn_layers=full, layout=layout,
-                       **_linear_fields(text, where, source))
+            return cls(num_hidden_layers=n_layers, kda_layers=kda, full_attn_layers=full,
+                       layout=layout, **fields)
         except KdaError as e:
             raise KdaError(f"{source} ({layout} layout): {e}") from None
 
@@ -178,8 +179,10 @@ class Glm5NextKdaConfig:
             cfg = json.loads(path.read_text())
         except FileNotFoundError:
             raise KdaError(f"config not found: {path}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise KdaError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise KdaError(f"{path}: cannot be read ({e.strerror})") from None
         if not isinstance(cfg, dict):
             raise KdaError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
         return cls.from_hf(cfg, source=str(path))
@@ -205,6 +208,13 @@ class Glm5NextKdaConfig:
                        for i in range(self.num_hidden_layers)]
         return {"model_type": "glm5_next",
                 "text_config": {**text, "layer_types": layer_types, "linear_attn_config": lac}}
+
+
+def check_config(cfg: object, what: str) -> Glm5NextKdaConfig:
+    """`cfg` when it is a `Glm5NextKdaConfig`; else a KdaError naming `what`."""
+    if not isinstance(cfg, Glm5NextKdaConfig):
+        raise KdaError(f"{what}: cfg must be a Glm5NextKdaConfig, got {type(cfg).__name__}")
+    return cfg
 
 
 def hf_layout(cfg: dict[str, Any], source: str = "config.json") -> str:
@@ -267,7 +277,8 @@ def _kimi_layers(lac: dict[str, Any], n_layers: Any,
     out = []
     for name, lst in (("kda_layers", _need(lac, "kda_layers", "linear_attn_config.", source)),
                       ("full_attn_layers", lac.get("full_attn_layers", []))):
-        if not isinstance(lst, list) or not all(isinstance(i, int) for i in lst):
+        if not isinstance(lst, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                for i in lst):
             raise KdaError(f"{source}: linear_attn_config.{name} must be a list of "
                            f"1-based layer numbers, got {lst!r}")
         bad = [i for i in lst if not (isinstance(n_layers, int) and 1 <= i <= n_layers)]

@@ -13,7 +13,7 @@ import cupy as cp
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig, kernels_dir
-from .errors import KdaError
+from .errors import KdaError, check_int, format_bytes
 
 _H2D, _D2H, _D2D = 1, 2, 3
 _CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP = 14, 68, 99
@@ -58,11 +58,20 @@ class CupyBackend(GpuBackend):
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DevicePtr:
-        if nbytes <= 0:
-            raise KdaError(f"alloc: nbytes must be positive, got {nbytes}")
-        mem = cp.cuda.alloc(nbytes)
+        nbytes = check_int(nbytes, "alloc: nbytes", 1)
+        try:
+            mem = cp.cuda.alloc(nbytes)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise KdaError(f"alloc: {self._name} cannot allocate {format_bytes(nbytes)} "
+                           f"({format_bytes(self.free_memory())} free)") from None
         self._mem[mem.ptr] = mem
         return DevicePtr(mem.ptr)
+
+    def free_memory(self) -> int:
+        """The device's free bytes (cudaMemGetInfo) and those CuPy's memory pool, which
+        `alloc` draws from, holds unused."""
+        free, _total = cp.cuda.runtime.memGetInfo()
+        return int(free) + cp.get_default_memory_pool().free_bytes()
 
     def free(self, ptr: DevicePtr) -> None:
         if self._mem.pop(int(ptr), None) is None:

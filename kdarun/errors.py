@@ -1,7 +1,39 @@
-"""KdaError: the one exception kdarun raises for bad input or bad use. It sits at the bottom
-of the package and imports nothing, so every module may raise it."""
+"""KdaError: the one exception kdarun raises for bad input or bad use; `check_int`, the one
+check of an integer argument; `format_bytes` for the sizes messages give. It sits at the
+bottom of the package and imports nothing of it, so every module may raise it."""
+
+from __future__ import annotations
+
+import numbers
 
 
 class KdaError(Exception):
     """Every error kdarun raises for bad input or bad use; the message says what, where,
     expected vs actual."""
+
+
+def check_int(value: object, what: str, low: int | None = None,
+              high: int | None = None) -> int:
+    """`value` as an int when it is an integer (a Python or NumPy one, not a bool) within
+    [low, high] (either end may be open: None); else a KdaError naming `what`."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok:
+        value = int(value)
+        ok = (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        if high is None:
+            want = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"
+                    }.get(low, f"an integer >= {low}")
+        else:
+            want = f"an integer in [{low}, {high}]" if low is not None else \
+                f"an integer <= {high}"
+        raise KdaError(f"{what} must be {want}, got {value!r}")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """A byte count for messages: `1.50 GiB`, `300.0 MiB`, `12 bytes`."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} bytes"

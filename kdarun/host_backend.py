@@ -3,11 +3,18 @@
 Memory is real host memory addressed by its numeric address, so pointer arithmetic,
 aliasing and out-of-bounds mistakes behave as on a device. Work runs at enqueue time,
 so every stream is trivially ordered. Kernels are the NumPy twins in `host_kernels`.
+
+The "device" memory is capped at `HOST_MEMORY_FRACTION` of the machine's physical memory,
+so a workspace or a set of weights too large is refused with both figures before it is
+allocated, and the rest stays for what runs beside it on the host (the inputs, the float64
+reference, the system).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -15,9 +22,20 @@ import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
 from .dtypes import BF16, F32
-from .errors import KdaError
+from .errors import KdaError, check_int, format_bytes
 
 _ALIGN = 256  # cudaMalloc's alignment, so views of any dtype are aligned as on a device
+HOST_MEMORY_FRACTION = 0.5  # of physical memory: what the host backend may allocate
+
+
+def host_memory_cap() -> int:
+    """`HOST_MEMORY_FRACTION` of the physical memory (os.sysconf); where the platform does not
+    say, no cap (allocations then fail only when the system refuses them)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                   * HOST_MEMORY_FRACTION)
+    except (AttributeError, ValueError, OSError):
+        return sys.maxsize
 
 
 class HostBackend(GpuBackend):
@@ -27,6 +45,8 @@ class HostBackend(GpuBackend):
         self._bases: list[int] = []  # sorted allocation addresses
         self._bufs: dict[int, np.ndarray] = {}  # address -> uint8 buffer
         self._owners: dict[int, np.ndarray] = {}
+        self._allocated = 0  # bytes in live allocations
+        self._cap = host_memory_cap()
         self._next_stream = 1
 
     @property
@@ -35,15 +55,19 @@ class HostBackend(GpuBackend):
 
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DevicePtr:
-        if nbytes <= 0:
-            raise KdaError(f"alloc: nbytes must be positive, got {nbytes}")
-        owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        nbytes = check_int(nbytes, "alloc: nbytes", 1)
+        try:
+            owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+        except MemoryError:
+            raise KdaError(f"alloc: the host cannot allocate {format_bytes(nbytes)} "
+                           f"({format_bytes(self.free_memory())} free under the cap)") from None
         start = (-owner.ctypes.data) % _ALIGN
         buf = owner[start:start + nbytes]
         addr = buf.ctypes.data
         bisect.insort(self._bases, addr)
         self._bufs[addr] = buf
         self._owners[addr] = owner
+        self._allocated += nbytes
         return DevicePtr(addr)
 
     def free(self, ptr: DevicePtr) -> None:
@@ -51,7 +75,12 @@ class HostBackend(GpuBackend):
         if addr not in self._bufs:
             raise KdaError(f"free: {ptr!r} is not the start of a live allocation")
         self._bases.remove(addr)
+        self._allocated -= self._bufs[addr].nbytes
         del self._bufs[addr], self._owners[addr]
+
+    def free_memory(self) -> int:
+        """The cap (`HOST_MEMORY_FRACTION` of physical memory) less the live allocations."""
+        return max(0, self._cap - self._allocated)
 
     def rows(self, ptr: DevicePtr, m: int, ld: int, n: int, dtype) -> np.ndarray:
         """A writable [m, n] view of rows `ld` elements apart starting at `ptr`."""

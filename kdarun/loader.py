@@ -7,29 +7,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .backend import GpuBackend
+from .backend import DeviceOwner, GpuBackend
 from .checkpoint import Checkpoint
 from .config import Glm5NextKdaConfig
-from .errors import KdaError
+from .errors import KdaError, check_int
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer
-from .weights import Glm5NextKdaWeights
-from .workspace import Glm5NextKdaWorkspace
+from .weights import Glm5NextKdaWeights, weights_nbytes
+from .workspace import Glm5NextKdaWorkspace, workspace_nbytes
 
 
-@dataclass
-class KdaStack:
+@dataclass(repr=False)
+class KdaStack(DeviceOwner):
     """Every bound KDA layer of a checkpoint (keyed by 0-based layer_idx) and the one
-    workspace they share."""
+    workspace they share. After `free` the stack, its layers and its workspace refuse every
+    use."""
     cfg: Glm5NextKdaConfig
     kernels: Glm5NextKdaKernels
     workspace: Glm5NextKdaWorkspace
     layers: dict[int, Glm5NextKdaLayer]
     checkpoint: Checkpoint
 
+    _DEVICE_ATTRS = ("workspace", "layers")
+
     def free(self, gpu: GpuBackend) -> None:
         """Release every layer's weights and the workspace."""
-        release_bound(gpu, self.layers.values(), self.workspace)
+        with self._freeing():
+            release_bound(gpu, self.layers.values(), self.workspace)
 
     def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
         if layer_idx not in self.layers:
@@ -49,17 +53,27 @@ def release_bound(gpu: GpuBackend, layers: Iterable[Glm5NextKdaLayer],
 def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
                layers: Iterable[int] | None = None, stream: int = 0) -> KdaStack:
     """Open the checkpoint at `path`, upload the KDA layers (all, or the 0-based `layers`)
-    and bind them with one kernel set and one workspace of `max_tokens` tokens."""
+    and bind them with one kernel set and one workspace of `max_tokens` tokens. Everything
+    is checked (the layers, the device memory the workspace and weights need) before
+    anything is allocated."""
     ckpt = Checkpoint(path)
     cfg = ckpt.config
+    max_tokens = check_int(max_tokens, "load_stack: max_tokens", 1)
     wanted = list(cfg.kda_layers if layers is None else layers)
     for i in wanted:
-        if i not in cfg.kda_layers:
+        if check_int(i, "load_stack: a layer index") not in cfg.kda_layers:
             raise KdaError(f"layer {i} is not a KDA layer of {path} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
+    gpu.check_free_memory(workspace_nbytes(cfg, max_tokens) + len(wanted) * weights_nbytes(cfg),
+                          f"{len(wanted)} layer(s) with a workspace of {max_tokens} tokens")
     kernels = Glm5NextKdaKernels(gpu, cfg)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max_tokens)
-    bound = {i: Glm5NextKdaLayer(i, cfg, Glm5NextKdaWeights.upload(gpu, cfg,
-                                                                   ckpt.layer_tensors(i), stream),
-                                 kernels) for i in wanted}
+    bound: dict[int, Glm5NextKdaLayer] = {}
+    try:
+        for i in wanted:
+            weights = Glm5NextKdaWeights.upload(gpu, cfg, ckpt.layer_tensors(i), stream)
+            bound[i] = Glm5NextKdaLayer(i, cfg, weights, kernels)
+    except BaseException:  # a layer refused (NaN, a bad tensor): give back what was bound
+        release_bound(gpu, bound.values(), ws)
+        raise
     return KdaStack(cfg, kernels, ws, bound, ckpt)

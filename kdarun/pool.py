@@ -12,28 +12,33 @@ from typing import Iterable
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend
-from .config import Glm5NextKdaConfig
+from .backend import DeviceOwner, DevicePtr, GpuBackend
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
-from .errors import KdaError
+from .errors import KdaError, check_int
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
 
-class KdaStatePool:
-    """`slots` sequences' states, zeroed on creation."""
+class KdaStatePool(DeviceOwner):
+    """`slots` sequences' states, zeroed on creation. After `free()` the pool, and every slot
+    state `state(slot)` gave out, refuse every use."""
+
+    _DEVICE_ATTRS = ("recurrent", "conv")
 
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, slots: int, stream: int = 0):
-        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
-            raise KdaError(f"state pool: slots must be a positive integer, got {slots!r}")
-        self.cfg, self.slots, self._gpu = cfg, int(slots), gpu
+        self.cfg = check_config(cfg, "state pool")
+        self.slots, self._gpu = check_int(slots, "state pool: slots", 1), gpu
         self.recurrent_nbytes = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
         self.conv_nbytes = int(np.prod(conv_shape(cfg))) * BF16.itemsize
+        gpu.check_free_memory(self.slots * (self.recurrent_nbytes + self.conv_nbytes),
+                              f"a state pool of {self.slots} slots")
         self.recurrent = gpu.alloc(self.slots * self.recurrent_nbytes)  # [slots, H, Dv, Dk] fp32
         self.conv = gpu.alloc(self.slots * self.conv_nbytes)  # [slots, W-1, conv_dim] bf16
         gpu.memset(self.recurrent, 0, self.slots * self.recurrent_nbytes, stream)
         gpu.memset(self.conv, 0, self.slots * self.conv_nbytes, stream)
 
     def _check(self, slot: int, what: str) -> int:
+        self._require_live(what)
         if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or \
                 not 0 <= slot < self.slots:
             raise KdaError(f"state pool {what}: slot must be an integer in [0, {self.slots}), "
@@ -72,17 +77,27 @@ class KdaStatePool:
         self._gpu.copy_d2d(self.conv_at(dst), self.conv_at(src), self.conv_nbytes, stream)
 
     def free(self) -> None:
-        self._gpu.free(self.recurrent)
-        self._gpu.free(self.conv)
+        """Give back every slot's memory; the pool and its slot states refuse every use from
+        then on."""
+        with self._freeing():
+            self._gpu.free(self.recurrent)
+            self._gpu.free(self.conv)
 
 
 class _SlotState(KdaSeqState):
-    """One slot of a pool, seen as a sequence's state: the pool owns the memory."""
+    """One slot of a pool, seen as a sequence's state: the pool owns the memory, and its
+    addresses are read through the pool, so a freed pool's slot states refuse every use."""
 
     def __init__(self, pool: KdaStatePool, slot: int):  # noqa: super() would allocate
-        self.cfg, self._gpu = pool.cfg, pool._gpu
-        self.recurrent = pool.recurrent + slot * pool.recurrent_nbytes
-        self.conv = pool.conv + slot * pool.conv_nbytes
+        self.cfg, self._gpu, self._pool, self._slot = pool.cfg, pool._gpu, pool, slot
+
+    @property
+    def recurrent(self) -> DevicePtr:
+        return self._pool.recurrent + self._slot * self._pool.recurrent_nbytes
+
+    @property
+    def conv(self) -> DevicePtr:
+        return self._pool.conv + self._slot * self._pool.conv_nbytes
 
     def free(self) -> None:
         raise KdaError("a pool slot's state is freed with its pool (KdaStatePool.free)")

@@ -14,11 +14,15 @@ import numpy as np
 
 from . import reference, synthetic
 from .backend import GpuBackend
+from .config import MAX_DECODE_ROWS
 from .dtypes import BF16
-from .errors import KdaError
+from .errors import KdaError, check_int
+from .files import PendingFile
 from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
+OUTPUT_SUFFIXES = (".npy", ".safetensors")
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 @dataclass
@@ -34,7 +38,10 @@ class RunPlan:
         return self.prefill + self.decode_steps + self.k
 
     def check(self) -> None:
-        if min(self.prefill, self.decode_steps, self.k) < 0 or self.total < 1:
+        check_int(self.prefill, "run: prefill tokens", 0)
+        check_int(self.decode_steps, "run: decode steps", 0)
+        check_int(self.k, "run: decode_k's k", 0, MAX_DECODE_ROWS)
+        if self.total < 1:
             raise KdaError(f"run: token counts must be >= 0 with at least one token, got "
                            f"prefill={self.prefill} decode_steps={self.decode_steps} k={self.k}")
 
@@ -54,15 +61,23 @@ def random_hidden(n: int, hidden: int, seed: int) -> np.ndarray:
 
 def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
     """Read hidden states [N, hidden] from .npy or .safetensors (tensor `hidden`, or the
-    only tensor), as bf16."""
+    only tensor), as bf16; a file that is not one, a wrong shape or dtype, and rows holding
+    NaN/Inf (as bf16) are refused, naming them."""
     path = Path(path)
     if path.suffix == ".npy":
-        arr = np.load(path)
+        with open(path, "rb") as f:
+            if f.read(len(_NPY_MAGIC)) != _NPY_MAGIC:  # else np.load tries it as a pickle
+                raise KdaError(f"{path}: not a .npy file (no .npy header; one array saved by "
+                               "numpy.save is expected)")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise KdaError(f"{path}: not a readable .npy file ({e})") from None
     elif path.suffix == ".safetensors":
         from safetensors.numpy import load_file
         try:
             tensors = load_file(str(path))
-        except Exception as e:
+        except Exception as e:  # safetensors raises its own error type for corrupt files
             raise KdaError(f"{path}: not a readable safetensors file ({e})") from None
         if "hidden" in tensors:
             arr = tensors["hidden"]
@@ -76,20 +91,36 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
         raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
     if arr.dtype not in (BF16, np.float32, np.float16, np.float64):
         raise KdaError(f"{path}: hidden states must be a float dtype, got {arr.dtype}")
-    return arr.astype(BF16)
+    with np.errstate(over="ignore"):  # values beyond bf16's range become Inf: refused below
+        arr = arr.astype(BF16)
+    rows = np.flatnonzero(~np.isfinite(arr.astype(np.float32)).all(axis=1))
+    if rows.size:
+        raise KdaError(f"{path}: {rows.size} row(s) hold NaN/Inf (as bf16), the first "
+                       f"{rows[:5].tolist()}; expected finite hidden states")
+    return arr
 
 
-def write_output(path: str | Path, result: RunResult) -> None:
-    """.safetensors keeps bf16 (`final_out`, plus both states); .npy holds final_out as fp32."""
-    path = Path(path)
-    if path.suffix == ".npy":
-        np.save(path, result.final_out.astype(np.float32))
-    elif path.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-        save_file({"final_out": result.final_out, "recurrent_state": result.recurrent_state,
-                   "conv_state": result.conv_state}, str(path))
-    else:
-        raise KdaError(f"{path}: output must be .npy or .safetensors")
+def claim_output(path: str | Path, force: bool, protected: dict[Path, str]) -> PendingFile:
+    """Claim a run's output file before the run (see `files.PendingFile`): `.npy` or
+    `.safetensors`, never one of `protected` (its inputs, its checkpoint's files)."""
+    if Path(path).suffix not in OUTPUT_SUFFIXES:
+        raise KdaError(f"output {path}: must end in {' or '.join(OUTPUT_SUFFIXES)}")
+    return PendingFile(path, force=force, protected=protected)
+
+
+def write_output(out: PendingFile, result: RunResult) -> Path:
+    """Write `result` to the claimed `out`: .safetensors keeps bf16 (`final_out`, plus both
+    states); .npy holds final_out as fp32."""
+    from safetensors.numpy import save_file
+
+    def write(tmp: Path) -> None:
+        if out.path.suffix == ".npy":
+            with open(tmp, "wb") as f:
+                np.save(f, result.final_out.astype(np.float32))
+        else:
+            save_file({"final_out": result.final_out, "recurrent_state": result.recurrent_state,
+                       "conv_state": result.conv_state}, str(tmp))
+    return out.commit(write)
 
 
 DEMO = {"preset": "tiny", "gate": "softplus", "layers": 4, "seed": 0}
@@ -184,9 +215,12 @@ def compare(out: np.ndarray, ref: np.ndarray) -> ErrorReport:
     return ErrorReport(rel, float(np.abs(d).max(initial=0.0)), 0)
 
 
-def reference_run(stack: KdaStack, layer_idx: int, hidden: np.ndarray) -> reference.ReferenceRun:
-    """The float64 reference over the same tokens from a zero state."""
+def reference_run(stack: KdaStack, layer_idx: int, hidden: np.ndarray,
+                  tensors: dict[str, np.ndarray] | None = None) -> reference.ReferenceRun:
+    """The float64 reference over the same tokens from a zero state, on the layer's
+    `tensors` (default: read from the stack's checkpoint)."""
     cfg = stack.cfg
-    tensors = stack.checkpoint.layer_tensors(layer_idx)
+    if tensors is None:
+        tensors = stack.checkpoint.layer_tensors(layer_idx)
     return reference.layer(cfg, tensors, hidden, np.zeros(recurrent_shape(cfg)),
                            np.zeros(conv_shape(cfg)))

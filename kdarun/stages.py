@@ -2,11 +2,13 @@
 that finds the first stage that goes wrong.
 
 A dump directory holds `stages.safetensors` (each stage's valid rows, bf16 kept as bf16, plus
-the run's input under `input.hidden`) and `manifest.json` (how to repeat the run, and each
-stage's kernel, shape, dtype and layout, in the order written). Stage keys are
-`<call>/<buffer>`: calls are `prefill`, `decode.<i>` and `decode_k`; per-token buffers of the
-stateful decode walk carry their row, `conv_out[2]`; states are `state.recurrent` and
-`state.conv`.
+the run's input under `input.hidden`) and `manifest.json` (how to repeat the run, the
+fingerprint of what it ran on, and each stage's kernel, shape, dtype and layout, in the order
+written). The fingerprint (digests of the checkpoint's KDA config and of the layer's tensors)
+lets a comparison tell a checkpoint that changed since the dump from a kernel that went wrong.
+Stage keys are `<call>/<buffer>`: calls are `prefill`, `decode.<i>` and `decode_k`; per-token
+buffers of the stateful decode walk carry their row, `conv_out[2]`; states are
+`state.recurrent` and `state.conv`.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ from safetensors.numpy import load_file, save_file
 
 from . import reference
 from .backend import GpuBackend
+from .checkpoint import Checkpoint, tensors_digest
 from .config import Glm5NextKdaConfig
 from .errors import KdaError
+from .files import PendingDir
 from .layer import Stage
-from .run import RunPlan, compare
+from .run import RunPlan, compare, open_run_checkpoint
 from .state import CONV_TOL, RECURRENT_TOL, conv_shape, recurrent_shape
 from .workspace import BUFFERS
 
 MANIFEST = "manifest.json"
 TENSORS_FILE = "stages.safetensors"
 INPUT_KEY = "input.hidden"
-FORMAT = 1
+FORMAT = 2  # 2: the manifest holds the fingerprint
+DUMP_FILES = (MANIFEST, TENSORS_FILE)
 
 # Each stage's tolerance, by buffer name: the workspace table's and the two states'.
 STAGE_TOL = {b.name: b.tol for b in BUFFERS if b.public} | {"state.recurrent": RECURRENT_TOL,
@@ -77,18 +82,39 @@ class StageRecorder:
                                         str(np.dtype(stage.dtype)), stage.row_axis, stage.layout))
 
 
-def write_dump(out: str | Path, recorder: StageRecorder, hidden: np.ndarray,
-               run: dict[str, Any]) -> Path:
-    """Save a recorded run: `run` describes it (checkpoint, layer, backend, plan, seed...)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def config_digest(cfg: Glm5NextKdaConfig) -> str:
+    """A SHA-256 of the checkpoint's KDA config (as `to_hf` writes it)."""
+    return hashlib.sha256(json.dumps(cfg.to_hf(), sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[str, str]:
+    """What a run's result depends on besides its input: digests of the checkpoint's KDA
+    config (`config`) and of the layer's tensors (`weights`)."""
+    return {"config": config_digest(cfg), "weights": tensors_digest(tensors)}
+
+
+def claim_dump(path: str | Path, force: bool = False,
+               protected: dict[Path, str] | None = None) -> PendingDir:
+    """Claim a dump directory before the run (see `files.PendingDir`): a new or empty one,
+    or, with `force`, an older dump; never one holding one of `protected` (the run's input,
+    its checkpoint's files)."""
+    return PendingDir(path, force=force, what="stage dump", owned=DUMP_FILES.__contains__,
+                      protected=protected)
+
+
+def write_dump(out: PendingDir, recorder: StageRecorder, hidden: np.ndarray,
+               run: dict[str, Any], fingerprint: dict[str, str]) -> Path:
+    """Save a recorded run into the claimed `out`: `run` describes it (checkpoint, layer,
+    backend, plan, seed...), `fingerprint` (`fingerprint()`) what it ran on."""
     tensors = dict(recorder.arrays)
     tensors[INPUT_KEY] = np.ascontiguousarray(hidden)
-    save_file(tensors, str(out / TENSORS_FILE))
-    manifest = {"format": FORMAT, "run": run, "input_sha256": _sha(hidden),
-                "stages": [asdict(r) for r in recorder.records]}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return out
+    manifest = {"format": FORMAT, "run": run, "fingerprint": fingerprint,
+                "input_sha256": _sha(hidden), "stages": [asdict(r) for r in recorder.records]}
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / TENSORS_FILE))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out.commit(write)
 
 
 def _sha(a: np.ndarray) -> str:
@@ -114,29 +140,81 @@ class Dump:
         return self.tensors[INPUT_KEY]
 
 
+_KINDS = {str: "a string", int: "an integer", list: "a list", dict: "an object"}
+_STAGE_FIELDS = {"key": str, "kernel": str, "shape": list, "dtype": str, "row_axis": int,
+                 "layout": str}
+_DEMO_FIELDS = {"preset": str, "gate": str, "layers": int, "seed": int}
+
+
+def _check_manifest(path: Path, m: Any) -> Glm5NextKdaConfig:
+    """Check a manifest's every field a comparison reads (types, the plan, the stage keys,
+    the config); returns the run's config."""
+    def bad(where: str, want: str, got: Any) -> KdaError:
+        return KdaError(f"dump {path}: corrupt {MANIFEST}: {where} must be {want}, got "
+                        f"{str(got)[:80]}")
+
+    def need(d: Any, key: str, kind: type, where: str = "") -> Any:
+        v = d.get(key) if isinstance(d, dict) else None
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is int):
+            raise bad(where + key, _KINDS[kind], v)
+        return v
+
+    if not isinstance(m, dict):
+        raise bad("the manifest", "a JSON object", type(m).__name__)
+    if m.get("format") != FORMAT:
+        raise KdaError(f"dump {path}: format {m.get('format')!r}, this kdarun reads format "
+                       f"{FORMAT} (re-run the dump with the command in its {MANIFEST})")
+    seen = set()
+    for i, st in enumerate(need(m, "stages", list)):
+        for key, kind in _STAGE_FIELDS.items():
+            need(st, key, kind, f"stages[{i}].")
+        if not all(isinstance(n, int) and n >= 0 for n in st["shape"]):
+            raise bad(f"stages[{i}].shape", "a list of sizes", st["shape"])
+        call, _, buf = st["key"].partition("/")
+        if not call or _base(buf) not in STAGE_TOL or st["key"] in seen:
+            raise bad(f"stages[{i}].key", "a new <call>/<buffer> of a known buffer", st["key"])
+        seen.add(st["key"])
+    run = need(m, "run", dict)
+    plan = need(run, "plan", dict, "run.")
+    try:
+        RunPlan(**plan).check()
+    except (TypeError, KdaError):
+        raise bad("run.plan", "{prefill, decode_steps, k} token counts", plan) from None
+    need(run, "layer", int, "run.")
+    ckpt = need(run, "checkpoint", dict, "run.")
+    if "demo" in ckpt:
+        for key, kind in _DEMO_FIELDS.items():
+            need(need(ckpt, "demo", dict, "run.checkpoint."), key, kind, "run.checkpoint.demo.")
+    else:
+        need(ckpt, "path", str, "run.checkpoint.")
+    need(m, "input_sha256", str)
+    for key in ("config", "weights"):
+        need(need(m, "fingerprint", dict), key, str, "fingerprint.")
+    try:
+        return Glm5NextKdaConfig.from_hf(need(run, "config", dict, "run."), "run.config")
+    except KdaError as e:
+        raise KdaError(f"dump {path}: corrupt {MANIFEST}: {e}") from None
+
+
 def load_dump(path: str | Path) -> Dump:
     """Read a dump directory, checking it is whole: manifest, tensors, every listed stage."""
     path = Path(path)
     mpath = path / MANIFEST
-    if not mpath.exists():
+    if not mpath.is_file():
         raise KdaError(f"dump {path}: no {MANIFEST} (not a stage dump, or an incomplete one)")
     try:
         manifest = json.loads(mpath.read_text())
-        stages = manifest["stages"]
-        manifest["run"]["plan"]
-        if manifest.get("format") != FORMAT:
-            raise KdaError(f"dump {path}: format {manifest.get('format')!r}, this kdarun "
-                           f"reads format {FORMAT}")
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KdaError(f"dump {path}: corrupt {MANIFEST} ({e})") from None
+    cfg = _check_manifest(path, manifest)
     tpath = path / TENSORS_FILE
     if not tpath.exists():
         raise KdaError(f"dump {path}: {TENSORS_FILE} is missing")
     try:
         tensors = load_file(str(tpath))
-    except Exception as e:
+    except Exception as e:  # safetensors raises its own error type for corrupt files
         raise KdaError(f"dump {path}: {TENSORS_FILE} is not readable ({e})") from None
-    for s in stages:
+    for s in manifest["stages"]:
         a = tensors.get(s["key"])
         if a is None:
             raise KdaError(f"dump {path}: stage {s['key']} is in the manifest but not in "
@@ -144,9 +222,14 @@ def load_dump(path: str | Path) -> Dump:
         if list(a.shape) != s["shape"] or str(a.dtype) != s["dtype"]:
             raise KdaError(f"dump {path}: stage {s['key']} is {list(a.shape)} {a.dtype}, the "
                            f"manifest says {s['shape']} {s['dtype']}")
-    if INPUT_KEY not in tensors:
+    hidden = tensors.get(INPUT_KEY)
+    if hidden is None:
         raise KdaError(f"dump {path}: the run's input ({INPUT_KEY}) is missing")
-    if _sha(tensors[INPUT_KEY]) != manifest.get("input_sha256"):
+    total = RunPlan(**manifest["run"]["plan"]).total
+    if hidden.ndim != 2 or hidden.shape[0] < total or hidden.shape[1] != cfg.hidden_size:
+        raise KdaError(f"dump {path}: the run's input is {list(hidden.shape)}, expected "
+                       f"[{total}, {cfg.hidden_size}] for its plan and config")
+    if _sha(hidden) != manifest["input_sha256"]:
         raise KdaError(f"dump {path}: the stored input does not match the manifest's checksum")
     return Dump(path, manifest, tensors)
 
@@ -241,11 +324,50 @@ class StageTable:
                 "rows": [asdict(r) for r in self.rows]}
 
 
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by dotted key."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def _config_change(then: dict[str, Any], now: dict[str, Any]) -> str:
+    """The fields of a config that differ, as `field: then -> now`."""
+    a, b = _flat(then), _flat(now)
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k, "absent") != b.get(k, "absent"))
+    return "; ".join(f"{k}: {a.get(k, 'absent')!r} -> {b.get(k, 'absent')!r}" for k in keys[:3])
+
+
+def _check_unchanged(d: Dump, ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    """The dumped layer's tensors, once the checkpoint is known to be the one the dump ran on
+    (its config and the layer's weights, by the fingerprint); else a KdaError saying it
+    changed, before any stage is blamed."""
+    changed = f"the checkpoint changed since this dump ({d.path})"
+    redo = f"; re-run the dump (the command is in its {MANIFEST})"
+    then = d.manifest["fingerprint"]
+    cfg = ckpt.config
+    if config_digest(cfg) != then["config"]:
+        diff = _config_change(d.run["config"], cfg.to_hf())
+        raise KdaError(f"{changed}: its config differs ({diff}){redo}")
+    tensors = ckpt.layer_tensors(d.run["layer"])
+    now = tensors_digest(tensors)
+    if now != then["weights"]:
+        raise KdaError(f"{changed}: layer {d.run['layer']}'s weights differ (digest "
+                       f"{then['weights'][:12]}... at the dump, {now[:12]}... now){redo}")
+    return tensors
+
+
 def _check_same_run(a: Dump, b: Dump) -> None:
     for field_ in ("config", "layer", "plan"):
         if a.run.get(field_) != b.run.get(field_):
             raise KdaError(f"dumps {a.path} and {b.path} are of different runs: {field_} "
                            f"{a.run.get(field_)!r} vs {b.run.get(field_)!r}")
+    wa, wb = a.manifest["fingerprint"]["weights"], b.manifest["fingerprint"]["weights"]
+    if wa != wb:
+        raise KdaError(f"dumps {a.path} and {b.path} ran on different weights (layer "
+                       f"{a.run['layer']}'s digest {wa[:12]}... vs {wb[:12]}...): the "
+                       "checkpoint changed between them")
     if a.manifest["input_sha256"] != b.manifest["input_sha256"]:
         raise KdaError(f"dumps {a.path} and {b.path} were fed different inputs")
 
@@ -254,17 +376,16 @@ def compare_stages(dump: str | Path, against: str | Path | None = None,
                    only: list[str] | None = None) -> StageTable:
     """Compare every stage of `dump` with the same stage of `against` (another dump) or, when
     `against` is None, with the float64 reference fed the dump's input. `only` restricts the
-    table to stage keys or buffer names (`final_out` matches every call's final_out)."""
+    table to stage keys or buffer names (`final_out` matches every call's final_out). A dump
+    whose checkpoint (config or the layer's weights) changed since, or two dumps of different
+    weights, are refused before any stage is compared."""
     d = load_dump(dump)
     if against is None:
-        from .checkpoint import Checkpoint
-        from .run import open_run_checkpoint
         with open_run_checkpoint(d.run) as ckpt_path:
             ckpt = Checkpoint(ckpt_path)
-            tensors = ckpt.layer_tensors(d.run["layer"])
-            cfg = ckpt.config
+            tensors = _check_unchanged(d, ckpt)
         plan = RunPlan(**d.run["plan"])
-        expect = reference_stages(cfg, tensors, d.hidden.astype(np.float64), plan)
+        expect = reference_stages(ckpt.config, tensors, d.hidden.astype(np.float64), plan)
         label = "the float64 reference"
     else:
         o = load_dump(against)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import GpuBackend
-from .config import Glm5NextKdaConfig
+from .backend import DeviceOwner, GpuBackend
+from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
 from .errors import KdaError
 
@@ -31,11 +31,14 @@ def conv_shape(cfg: Glm5NextKdaConfig) -> tuple[int, int]:
     return (cfg.conv_kernel - 1, cfg.conv_dim)
 
 
-class KdaSeqState:
-    """Device buffers for one sequence's recurrent and conv state, zeroed on creation."""
+class KdaSeqState(DeviceOwner):
+    """Device buffers for one sequence's recurrent and conv state, zeroed on creation. After
+    `free()` the state refuses every use."""
+
+    _DEVICE_ATTRS = ("recurrent", "conv")
 
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, stream: int = 0):
-        self.cfg = cfg
+        self.cfg = check_config(cfg, "KdaSeqState")
         self._gpu = gpu
         self.recurrent = gpu.alloc(self.recurrent_nbytes)
         self.conv = gpu.alloc(self.conv_nbytes)
@@ -54,6 +57,9 @@ class KdaSeqState:
         """Set both states from host arrays of exactly the state shapes and dtypes."""
         for what, arr, shape, dtype in (("recurrent", recurrent, recurrent_shape(self.cfg), F32),
                                         ("conv", conv, conv_shape(self.cfg), BF16)):
+            if not isinstance(arr, np.ndarray):
+                raise KdaError(f"state.upload: {what} must be a NumPy array {list(shape)} "
+                               f"{dtype}, got {type(arr).__name__}")
             if arr.shape != shape or arr.dtype != dtype:
                 raise KdaError(f"state.upload: {what} must be {list(shape)} {dtype}, "
                                f"got {list(arr.shape)} {arr.dtype}")
@@ -66,5 +72,7 @@ class KdaSeqState:
                 self._gpu.download(self.conv, conv_shape(self.cfg), BF16, stream))
 
     def free(self) -> None:
-        self._gpu.free(self.recurrent)
-        self._gpu.free(self.conv)
+        """Give back both states' memory; the state refuses every use from then on."""
+        with self._freeing():
+            self._gpu.free(self.recurrent)
+            self._gpu.free(self.conv)

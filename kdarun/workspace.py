@@ -15,10 +15,10 @@ from typing import Callable
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend
-from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .backend import DeviceOwner, DevicePtr, GpuBackend
+from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
-from .errors import KdaError
+from .errors import KdaError, check_int
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -123,12 +123,26 @@ BUFFERS: tuple[BufferSpec, ...] = (
 SPEC = {b.name: b for b in BUFFERS}
 
 
-class Glm5NextKdaWorkspace:
+def buffer_nbytes(cfg: Glm5NextKdaConfig, name: str, t: int) -> int:
+    """Bytes of buffer `name` for a run of `t` tokens."""
+    return int(np.prod(SPEC[name].shape(cfg, t, cfg.t_pad(t)), dtype=np.int64)) * \
+        SPEC[name].dtype.itemsize
+
+
+def workspace_nbytes(cfg: Glm5NextKdaConfig, max_tokens: int) -> int:
+    """Device bytes of a workspace for `max_tokens` tokens: every buffer of `BUFFERS`."""
+    return sum(buffer_nbytes(cfg, b.name, max_tokens) for b in BUFFERS)
+
+
+class Glm5NextKdaWorkspace(DeviceOwner):
     """Device scratch for runs of up to `max_tokens` tokens.
 
     Attributes named as in `BUFFERS` are `DevicePtr`s; `shape(name, t)` gives the shape
-    a run of `t` tokens uses (row-major at the start of the buffer).
+    a run of `t` tokens uses (row-major at the start of the buffer). After `free()` the
+    workspace refuses every use.
     """
+
+    _DEVICE_ATTRS = (*(b.name for b in BUFFERS), "_ptrs")
 
     qkv_parts: DevicePtr
     qkv_proj: DevicePtr
@@ -145,12 +159,12 @@ class Glm5NextKdaWorkspace:
     final_out: DevicePtr
 
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, max_tokens: int):
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise KdaError(f"workspace: max_tokens must be a positive integer, got {max_tokens!r}")
-        self.cfg = cfg
-        self._max_tokens = max_tokens
+        self.cfg = check_config(cfg, "workspace")
+        self._max_tokens = max_tokens = check_int(max_tokens, "workspace: max_tokens", 1)
         self._t_pad = cfg.t_pad(max_tokens)
         self._gpu = gpu
+        gpu.check_free_memory(workspace_nbytes(cfg, max_tokens),
+                              f"a workspace of {max_tokens} tokens")
         self._ptrs: dict[str, DevicePtr] = {}
         for spec in BUFFERS:
             ptr = gpu.alloc(self.nbytes(spec.name, max_tokens))
@@ -170,14 +184,16 @@ class Glm5NextKdaWorkspace:
         return SPEC[name].shape(self.cfg, t, self.cfg.t_pad(t))
 
     def nbytes(self, name: str, t: int) -> int:
-        return int(np.prod(self.shape(name, t))) * SPEC[name].dtype.itemsize
+        return buffer_nbytes(self.cfg, name, t)
 
     def ptr(self, name: str) -> DevicePtr:
+        self._require_live(f"ptr({name!r})")
+        if name not in SPEC:
+            raise KdaError(f"workspace: no buffer {name!r}; the buffers are {sorted(SPEC)}")
         return self._ptrs[name]
 
     def check_tokens(self, t: int, what: str) -> None:
-        if not isinstance(t, (int, np.integer)) or t < 1:
-            raise KdaError(f"{what}: token count must be a positive integer, got {t!r}")
+        check_int(t, f"{what}: token count", 1)
         if t > self._max_tokens:
             raise KdaError(f"{what}: {t} tokens exceed the workspace's max_tokens "
                            f"{self._max_tokens}; allocate a larger workspace or prefill in "
@@ -189,14 +205,16 @@ class Glm5NextKdaWorkspace:
         for spec in BUFFERS:
             if not spec.poison:
                 continue
-            self._gpu.memset(self._ptrs[spec.name], 0xFF, self.nbytes(spec.name, self._max_tokens),
+            self._gpu.memset(self.ptr(spec.name), 0xFF, self.nbytes(spec.name, self._max_tokens),
                              stream)
 
     def read(self, name: str, t: int, stream: int = 0) -> np.ndarray:
         """Download the rows buffer `name` holds for a run of `t` tokens (synchronises)."""
-        return self._gpu.download(self._ptrs[name], self.shape(name, t), SPEC[name].dtype, stream)
+        self.check_tokens(t, f"workspace.read({name!r})")
+        return self._gpu.download(self.ptr(name), self.shape(name, t), SPEC[name].dtype, stream)
 
     def free(self) -> None:
-        for ptr in self._ptrs.values():
-            self._gpu.free(ptr)
-        self._ptrs.clear()
+        """Give back every buffer; the workspace refuses every use from then on."""
+        with self._freeing():
+            for ptr in self._ptrs.values():
+                self._gpu.free(ptr)

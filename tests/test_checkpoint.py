@@ -160,4 +160,8 @@ def test_problems_reports_non_finite(ckpt_copy):
         t[n] = t[n].copy()
         t[n][0, :3] = np.nan
     _edit_tensor(ckpt_copy, name, plant)
-    assert Checkpoint(ckpt_copy).problems() == [f"{name}: 3 non-finite values"]
+    assert Checkpoint(ckpt_copy).problems() == [
+        f"{name} holds 3 NaN/Inf value(s), the first at [0, 0]"]
+    with pytest.raises(KdaError, match=rf"{name} holds 3 NaN/Inf value\(s\), the first at "
+                                       r"\[0, 0\]"):
+        Checkpoint(ckpt_copy).layer_tensors(2)

@@ -155,7 +155,7 @@ def test_stack_free_releases_everything(ckpts):
     from kdarun.loader import load_stack
     gpu = open_backend("host")  # its own backend: the allocations checked are this stack's
     stack = load_stack(gpu, ckpts["softplus"], 16, [1])
-    weights = stack.layer(1).weights
+    w_in = stack.layer(1).weights.w_in
     stack.free(gpu)
     with pytest.raises(KdaError, match="not the start of a live allocation"):
-        gpu.free(weights.w_in)
+        gpu.free(w_in)

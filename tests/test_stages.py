@@ -77,13 +77,15 @@ def test_nan_in_a_stage_fails_it(dump, tmp_path):
 def test_bf16_round_trip_is_bit_exact(host, ckpts, tmp_path):
     from kdarun.loader import load_stack
     from kdarun.run import RunPlan, random_hidden, run_layer
-    from kdarun.stages import StageRecorder, write_dump
+    from kdarun.stages import StageRecorder, claim_dump, fingerprint, write_dump
     stack = load_stack(host, ckpts["bounded"], 64, [1])
     rec = StageRecorder()
     h = random_hidden(40, stack.cfg.hidden_size, 1)
     run_layer(host, stack, 1, h, RunPlan(38, 1, 1), recorder=rec)
-    write_dump(tmp_path / "d", rec, h, {"checkpoint": {"path": ckpts["bounded"]}, "layer": 1,
-                                        "plan": {"prefill": 38, "decode_steps": 1, "k": 1}})
+    run = {"checkpoint": {"path": ckpts["bounded"]}, "layer": 1, "config": stack.cfg.to_hf(),
+           "plan": {"prefill": 38, "decode_steps": 1, "k": 1}}
+    write_dump(claim_dump(tmp_path / "d"), rec, h, run,
+               fingerprint(stack.cfg, stack.checkpoint.layer_tensors(1)))
     back = load_dump(tmp_path / "d")
     for key, a in rec.arrays.items():
         b = back.tensors[key]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kdarun.loader import load_stack
 from kdarun.run import RunPlan, random_hidden, run_layer
-from kdarun.stages import StageRecorder, compare_stages, write_dump
+from kdarun.stages import StageRecorder, claim_dump, compare_stages, fingerprint, write_dump
 
 
 def test_cuda_and_host_dumps_agree(cuda, host, gpu_ckpts, tmp_path):
@@ -18,7 +18,10 @@ def test_cuda_and_host_dumps_agree(cuda, host, gpu_ckpts, tmp_path):
             run = {"checkpoint": {"path": gpu_ckpts[name]}, "layer": 1, "backend": gpu.name,
                    "plan": {"prefill": 200, "decode_steps": 2, "k": 4},
                    "config": stack.cfg.to_hf()}
-            dumps.append(write_dump(tmp_path / f"{name}-{gpu.name}", rec, h, run))
+            prints = fingerprint(stack.cfg, stack.checkpoint.layer_tensors(1))
+            dumps.append(write_dump(claim_dump(tmp_path / f"{name}-{gpu.name}"), rec, h, run,
+                                    prints))
+            stack.free(gpu)
         table = compare_stages(dumps[0], dumps[1])
         assert table.ok, table.format()
         assert len(table.rows) > 50

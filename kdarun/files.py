@@ -1,0 +1,170 @@
+"""Writing the user's files safely.
+
+Every file or directory kdarun writes (a checkpoint, a stage dump, a run's output) is claimed
+before the work that fills it: the target is checked (its directory exists, it may be
+written, it exists only when `force` says to replace it, and it is none of the run's inputs)
+and a temporary file or directory is created beside it, so a bad path is refused before any
+computation. The temporary is renamed into place once it is whole, so an interrupted write
+leaves the old target (or, for a directory being replaced, nothing in its place) and never a
+mix of old and new files; the temporary is removed when the write fails.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+from types import TracebackType
+from typing import Callable, Mapping
+
+from .errors import KdaError
+
+FORCE_HINT = "pass --force (force=True) to replace it"
+
+
+def _claim(path: Path, what: str, make: Callable[[Path], None]) -> Path:
+    """Create (with `make`) a temporary beside `path`, named after it and hidden; refuses a
+    missing or unwritable directory."""
+    parent = path.parent
+    if not parent.exists():
+        raise KdaError(f"{what} {path}: its directory {parent} does not exist")
+    if not parent.is_dir():
+        raise KdaError(f"{what} {path}: {parent} is not a directory")
+    tmp = parent / f".{path.name}.{secrets.token_hex(4)}.partial"
+    try:
+        make(tmp)
+    except OSError as e:
+        raise KdaError(f"{what} {path}: cannot write in {parent} ({e.strerror})") from None
+    return tmp
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` name the same file, through symbolic links."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(path: str, directory: Path) -> bool:
+    """Whether `path` lies in `directory` (its own path, or through links)."""
+    return any(Path(path).is_relative_to(d)
+               for d in {directory, Path(os.path.realpath(directory))})
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class _Pending:
+    """A claimed target and its temporary; leaving a `with` block by an exception (Ctrl-C
+    included) removes the temporary. `commit(write)` has `write` fill the temporary, then
+    puts it in the target's place (`_install`); a write the system refuses (a full disk) is
+    a KdaError, and the target is left as it was."""
+
+    path: Path
+    tmp: Path
+    what: str
+
+    def commit(self, write: Callable[[Path], None]) -> Path:
+        try:
+            write(self.tmp)
+            self._install()
+        except BaseException as e:
+            self.discard()
+            if isinstance(e, OSError):
+                raise KdaError(f"{self.what} {self.path}: cannot be written "
+                               f"({e.strerror or e})") from None
+            raise
+        return self.path
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "_Pending":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is not None:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the temporary; the target is left as it was."""
+        _remove(self.tmp)
+
+
+class PendingFile(_Pending):
+    """An output file: refused when it is a directory, exists without `force`, or is one of
+    `protected` (a path -> what it is: the run's inputs, a checkpoint's files), which no
+    `force` replaces."""
+
+    def __init__(self, path: str | Path, *, force: bool, what: str = "output",
+                 protected: Mapping[Path, str] | None = None):
+        self.path = path = Path(os.path.abspath(path))
+        for other, role in (protected or {}).items():
+            if _same_file(path, Path(other)):
+                raise KdaError(f"{what} {path} would overwrite {role} {other}; choose another "
+                               "path (not even --force replaces it)")
+        if path.is_dir():
+            raise KdaError(f"{what} {path} is a directory, expected a file path")
+        if (path.exists() or path.is_symlink()) and not force:
+            raise KdaError(f"{what} {path} exists; {FORCE_HINT}")
+        self.what, self.tmp = what, _claim(path, what, lambda p: p.touch(exist_ok=False))
+
+    def _install(self) -> None:
+        os.replace(self.tmp, self.path)
+
+
+class PendingDir(_Pending):
+    """An output directory, written whole into a temporary one: refused when it is a file,
+    holds one of `protected` (a path -> what it is), or holds anything without `force`; with
+    `force` it is replaced only when every entry is a file `owned` accepts by name (a
+    directory of another kind, or with other files in it, is never replaced)."""
+
+    def __init__(self, path: str | Path, *, force: bool, what: str,
+                 owned: Callable[[str], bool], protected: Mapping[Path, str] | None = None):
+        self.path = path = Path(os.path.abspath(path))
+        for other, role in (protected or {}).items():
+            if any(_inside(p, path) for p in (os.path.abspath(other), os.path.realpath(other))):
+                raise KdaError(f"{what} {path} holds {role} {other}; choose another directory "
+                               "(not even --force replaces it)")
+        if path.exists() and not path.is_dir():
+            raise KdaError(f"{what} {path} is a file, expected a directory")
+        if path.is_dir() and _inside(os.getcwd(), path):
+            raise KdaError(f"{what} {path} is (or holds) the current directory, which writing "
+                           "it would replace; choose a directory below it")
+        held = sorted(os.listdir(path)) if path.is_dir() else []
+        if held and not force:
+            raise KdaError(f"{what} {path} exists and holds {_names(held)}; {FORCE_HINT}")
+        foreign = [n for n in held if not (owned(n) and (path / n).is_file())]
+        if foreign:
+            raise KdaError(f"{what} {path} holds {_names(foreign)}, which a {what} does not "
+                           "write; choose another directory (not even --force replaces it)")
+        self.what, self.tmp = what, _claim(path, what, lambda p: p.mkdir())
+
+    def _install(self) -> None:
+        """A rename where the target is absent or empty; else the old directory is moved
+        aside first (back again if the rename fails) and removed after."""
+        if not self.path.exists() or not os.listdir(self.path):
+            os.replace(self.tmp, self.path)
+            return
+        old = self.path.parent / f".{self.path.name}.{secrets.token_hex(4)}.old"
+        os.rename(self.path, old)
+        try:
+            os.rename(self.tmp, self.path)
+        except BaseException:
+            os.rename(old, self.path)
+            raise
+        _remove(old)
+
+
+def _names(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
