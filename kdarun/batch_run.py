@@ -47,15 +47,18 @@ def batch_plan(n: int, max_prompt: int, seed: int) -> tuple[list[int], list[int]
 
 
 def run_batch(gpu: GpuBackend, stack: KdaStack, layer_idx: int, n: int, seed: int,
-              decode_steps: int = 2, k: int = 3, stream: int = 0) -> list[SequenceCheck]:
-    """n sequences, from zero states, through `prefill_packed`, `decode_steps` calls of
-    `decode_batch` and one `verify_batch` of k rows each; every sequence against the float64
-    reference over the same rows."""
+              max_prompt: int, decode_steps: int = 2, k: int = 3,
+              stream: int = 0) -> list[SequenceCheck]:
+    """n sequences of random prompt lengths up to max_prompt, from zero states, through
+    `prefill_packed`, `decode_steps` calls of `decode_batch` and one `verify_batch` of k rows
+    each; every sequence against the float64 reference over the same rows."""
     layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
-    if n < 1 or n * k > ws.max_tokens() or n > ws.max_tokens():
-        raise KdaError(f"batch run: {n} sequences x {k} verify rows need a workspace of at "
-                       f"least {n * k} tokens, this one has {ws.max_tokens()}")
-    lengths, slots = batch_plan(n, ws.max_tokens(), seed)
+    need = max(n * k, n, max_prompt)
+    if n < 1 or k < 1 or max_prompt < 1 or need > ws.max_tokens():
+        raise KdaError(f"batch run: {n} sequences, prompts up to {max_prompt} tokens and {k} "
+                       f"verify rows each need a workspace of {need} tokens and positive "
+                       f"counts; the workspace has {ws.max_tokens()}")
+    lengths, slots = batch_plan(n, max_prompt, seed)
     rows = [random_hidden(t + decode_steps + k, cfg.hidden_size, seed + 1 + i)
             for i, t in enumerate(lengths)]  # each sequence's rows, in the order it sees them
     pool = KdaStatePool(gpu, cfg, 2 * n, stream)

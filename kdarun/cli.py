@@ -135,9 +135,13 @@ def main(debug: bool) -> None:
               help="Seed of the random input.")
 @click.option("--dump-stages", "dump_dir", type=click.Path(file_okay=False),
               help="Write every stage of the run, in order, to this directory.")
+@click.option("--batch", type=click.IntRange(1, 1024), default=None,
+              help="Serve this many sequences instead: random prompts of up to --tokens tokens "
+                   "in one packed prefill, --decode-steps batched decodes and one batched "
+                   "verify of --k rows (3 if 0), each sequence checked.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
-              force, seed, dump_dir, as_json) -> None:
+              force, seed, dump_dir, batch, as_json) -> None:
     """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
 
     With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
@@ -163,6 +167,13 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             raise KdaError(f"--layer {layer_idx} is not a KDA layer of "
                            f"{checkpoint or 'the built-in demo checkpoint'} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
+        if batch is not None:
+            if input_path or output_path or dump_dir:
+                raise click.UsageError("--batch runs random prompts: it takes no --input and "
+                                       "writes no --output or --dump-stages")
+            _layer_run_batch(gpu, ckpt_path, cfg, layer_idx, batch, tokens or 100,
+                             decode_steps, k or 3, seed, as_json)
+            return
         hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
         if tokens is None:
             tokens = hidden.shape[0] - decode_steps - k if hidden is not None else 100
@@ -223,6 +234,36 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             ("state vs float64", _error_text(state_err)),
             ("result", f"{'PASS' if ok else 'FAIL'} (tolerance rel < {E2E_TOL:g}, no NaN/Inf)"),
         ] + ([("stages", f"{len(recorder.records)} written to {dump_dir}")] if dump else [])))
+    if not ok:
+        sys.exit(1)
+
+
+def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_prompt: int,
+                     decode_steps: int, k: int, seed: int, as_json: bool) -> None:
+    """layer-run --batch: the serving run (`batch_run.run_batch`) and its table; exit 1 when
+    a sequence fails."""
+    from .batch_run import BATCH_TOL, run_batch
+    stack = load_stack(gpu, ckpt_path, max(max_prompt, n * k), [layer_idx])
+    try:
+        checks = run_batch(gpu, stack, layer_idx, n, seed, max_prompt, decode_steps, k)
+    finally:
+        stack.free(gpu)
+    ok = all(c.ok for c in checks)
+    if as_json:
+        click.echo(_json({"backend": gpu.name, "device": gpu.device_name, "layer": layer_idx,
+                          "sequences": [vars(c) | {"ok": c.ok} for c in checks],
+                          "tolerance": BATCH_TOL, "ok": ok}))
+    else:
+        click.echo(f"kdarun layer-run --batch {n}: {gpu.name} ({gpu.device_name}), layer "
+                   f"{layer_idx}, {cfg.gate_form} gate; packed prefill, {decode_steps} batched "
+                   f"decode(s), one batched verify of {k} rows")
+        click.echo(f"  {'seq':>4} {'slot':>5} {'prefill':>8} {'final_out rel':>14} "
+                   f"{'state rel':>10}  result")
+        for c in checks:
+            click.echo(f"  {c.sequence:>4} {c.slot:>5} {c.prefill:>8} {c.out_rel:>14.3e} "
+                       f"{c.state_rel:>10.3e}  {'PASS' if c.ok else 'FAIL'}")
+        click.echo(f"result: {'PASS' if ok else 'FAIL'}, {sum(c.ok for c in checks)} of {n} "
+                   f"sequences within rel < {BATCH_TOL:g} of float64, no NaN/Inf")
     if not ok:
         sys.exit(1)
 
@@ -346,12 +387,20 @@ def _int_list(ctx: click.Context, param: click.Parameter, text: str) -> list[int
     return values
 
 
+def _parse_mix(text: str) -> list[tuple[int, int]]:
+    from .bench import parse_mix
+    try:
+        return parse_mix(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--mix") from None
+
+
 @main.command("bench")
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="kimi-linear-48b",
               show_default=True, help="The model shape.")
 @click.option("--mode", type=click.Choice(["decode", "decode-k", "prefill", "batch-decode",
-                                           "batch-verify"]), default="decode", show_default=True,
-              help="What to time.")
+                                           "batch-verify", "varlen"]), default="decode",
+              show_default=True, help="What to time.")
 @click.option("--k", "k", type=click.IntRange(1, MAX_DECODE_ROWS), default=4, show_default=True,
               help="Rows of decode-k; draft tokens a sequence of batch-verify.")
 @click.option("--batch", default="1,8,32,64,128,256", show_default=True, callback=_int_list,
@@ -360,13 +409,16 @@ def _int_list(ctx: click.Context, param: click.Parameter, text: str) -> list[int
               help="Time CUDA-graph replays or eager calls (decode modes; batch modes replay).")
 @click.option("--tokens", default="64,1024,4096,16384", show_default=True, callback=_int_list,
               help="Prefill lengths, comma-separated.")
+@click.option("--mix", default="1x4096,8x512,32x128,128x32", show_default=True,
+              callback=lambda ctx, param, v: _parse_mix(v),
+              help="Packed prefills of varlen mode: sequences x tokens, comma-separated.")
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench_cmd(preset, mode, k, batch, graph, tokens, with_fla, as_json) -> None:
-    """Time decode, decode_k, batched decode or verify, or prefill on random weights and
-    inputs (CUDA only)."""
+def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, as_json) -> None:
+    """Time decode, decode_k, batched decode or verify, packed (varlen) prefill or prefill on
+    random weights and inputs (CUDA only)."""
     from . import bench
 
     gpu = open_backend("cuda", announce=False)
@@ -376,6 +428,9 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, with_fla, as_json) -> None:
     rows: list[dict] = []
     if mode == "prefill":
         for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
+            rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
+    elif mode == "varlen":
+        for r in bench.bench_varlen(gpu, preset, mix, stream, fla=use_fla):
             rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
     elif mode.startswith("batch"):
         for b in batch:

@@ -86,3 +86,19 @@ def test_clear_errors(tmp_path):
     assert r.exit_code != 0 and "must be [N, 256], got [4, 100]" in r.output
     r = run("layer-run", "--tokens", "0", "--decode-steps", "0")
     assert r.exit_code != 0 and "at least one token" in r.output
+
+
+def test_layer_run_batch_checks_every_sequence():
+    r = CliRunner().invoke(main, ["layer-run", "--batch", "5", "--backend", "host", "--tokens",
+                                  "90", "--decode-steps", "2", "--k", "2"])
+    assert r.exit_code == 0, r.output
+    rows = [ln for ln in r.output.splitlines() if ln.rstrip().endswith(("PASS", "FAIL"))]
+    assert len(rows) == 5 and all(ln.rstrip().endswith("PASS") for ln in rows)
+    assert "result: PASS, 5 of 5 sequences" in r.output
+
+
+def test_layer_run_batch_takes_no_input_or_output(tmp_path):
+    r = CliRunner().invoke(main, ["layer-run", "--batch", "2", "--backend", "host", "--output",
+                                  str(tmp_path / "o.npy")])
+    assert r.exit_code == 2 and "--batch runs random prompts" in r.output
+    assert not (tmp_path / "o.npy").exists()

@@ -112,7 +112,7 @@ def test_repeat_command_names_every_option_of_the_run(dump):
     words = shlex.split(json.loads((dump / "manifest.json").read_text())["run"]["command"])
     for param in layer_run.params:
         if isinstance(param, click.Option) and param.name not in _NOT_REPEATED and not (
-                param.is_flag or param.name == "input_path"):  # unset here: random input
+                param.is_flag or param.name in ("input_path", "batch")):  # unset in this run
             assert param.opts[0] in words, param.opts[0]
     assert not {"--dump-stages", "--output", "--json"} & set(words)
 
