@@ -19,7 +19,7 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .errors import KdaError
+from .errors import KdaError, check_int
 from .kernels import Glm5NextKdaKernels
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
@@ -200,8 +200,7 @@ class Glm5NextKdaLayer:
         result is bit-identical to K serial decodes. The K-row walk is one launch that keeps
         the state on chip between rows. `snapshots[t] = (h_dst, conv_dst)` receives the state
         after row t; pass k-1 of them or none."""
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DECODE_ROWS:
-            raise KdaError(f"decode_k: k must be in [1, {MAX_DECODE_ROWS}], got {k!r}")
+        k = check_int(k, "decode_k: k", 1, MAX_DECODE_ROWS)
         ws.check_tokens(k, "decode_k")
         if len(snapshots) not in (0, k - 1):
             raise KdaError(f"decode_k: pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
@@ -230,10 +229,8 @@ class Glm5NextKdaLayer:
 
     def _check_batch(self, what: str, b: int, k: int, slots: DevicePtr, pool: KdaStatePool,
                      ws: Glm5NextKdaWorkspace) -> None:
-        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1:
-            raise KdaError(f"{what}: the batch must be a positive integer, got {b!r}")
-        if not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DECODE_ROWS:
-            raise KdaError(f"{what}: k must be in [1, {MAX_DECODE_ROWS}], got {k!r}")
+        b = check_int(b, f"{what}: the batch", 1)
+        k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         ws.check_tokens(b * k, what)
         if pool.cfg != self.cfg:
             raise KdaError(f"{what}: the state pool was made for a different config")
@@ -332,8 +329,7 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
                      stream: int) -> None:
     """Prefill a sequence longer than the workspace in windows of `ws.max_tokens()` tokens,
     carrying the state; every window's final_out is copied to out [t, hidden] bf16."""
-    if t < 1:
-        raise KdaError(f"prefill_windowed: token count must be positive, got {t}")
+    t = check_int(t, "prefill_windowed: the token count", 1)
     row = layer.cfg.hidden_size * BF16.itemsize
     for start in range(0, t, ws.max_tokens()):
         n = min(ws.max_tokens(), t - start)

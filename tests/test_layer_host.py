@@ -144,7 +144,7 @@ def test_bad_token_counts(env):
         env.layer.prefill(env.gpu, h, 300, state, env.ws, 0)
     with pytest.raises(KdaError, match="positive integer"):
         env.layer.prefill(env.gpu, h, 0, state, env.ws, 0)
-    with pytest.raises(KdaError, match=r"k must be in \[1, 8\], got 9"):
+    with pytest.raises(KdaError, match=r"k must be an integer in \[1, 8\], got 9"):
         env.layer.decode_k(env.gpu, h, 9, state, env.ws, [], 0)
     with pytest.raises(KdaError, match="pass k-1 = 3 snapshots or none, got 1"):
         env.layer.decode_k(env.gpu, h, 4, state, env.ws, [(state.recurrent, state.conv)], 0)

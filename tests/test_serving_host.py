@@ -76,6 +76,8 @@ def test_pool_slots_and_errors(env):
     h = gpu.upload(random_hidden(2, cfg.hidden_size, 41))
     with pytest.raises(KdaError, match="slots must be a device pointer"):
         env.layer.decode_batch(gpu, h, 2, None, pool, env.ws, 0)
+    with pytest.raises(KdaError, match="the batch must be a positive integer, got True"):
+        env.layer.decode_batch(gpu, h, True, gpu.upload(np.zeros(2, np.int32)), pool, env.ws, 0)
     with pytest.raises(KdaError, match="exceed the workspace"):
         env.layer.decode_batch(gpu, h, 1000, gpu.upload(np.zeros(1000, np.int32)), pool,
                                env.ws, 0)
