@@ -24,7 +24,7 @@ from typing import Any
 from .errors import KdaError
 
 CHUNK = 64  # C: the chunk length of the WY prefill
-MAX_DECODE_ROWS = 8  # decode_k's K at most: rows one GEMV launch and one decode walk serve
+MAX_DECODE_ROWS = 8  # a sequence's rows a call at most (decode_k's K): the decode walk's bound
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_CONV_KERNEL = 8  # W at most: the conv kernels' register window
 L2_NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + L2_NORM_EPS)

@@ -48,9 +48,7 @@ def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_
     # needs none. qkv_parts holds rows 0..M-1 of each of its three [P, qkv] parts.
     qkv = H * D
     dense_gemv_bf16(gpu, w, x, qkv_proj, 3 * qkv, K, M, K, 3 * qkv)
-    for i in range(3):
-        gpu.rows(qkv_parts + i * P * qkv * 2, M, qkv, qkv, BF16)[...] = \
-            gpu.rows(qkv_proj + i * qkv * 2, M, 3 * qkv, qkv, BF16)
+    _split_qkv(gpu, qkv_proj, qkv_parts, M, qkv, P)
     f_a = gate_in  # then g_a, then b
     dense_gemv_bf16(gpu, w + 3 * qkv * K * 2, x, f_a, N - 3 * qkv, K, M, K, ldg)
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldg, qkv)
@@ -60,9 +58,10 @@ def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_
 
 
 # -- qkv_parts (prefill_conv_qkv and front_end_gemv pieces) -----------------------------------
-def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv):
-    gpu.view(qkv_parts, (3, t, qkv), BF16)[...] = \
-        gpu.view(qkv_proj, (t, 3, qkv), BF16).transpose(1, 0, 2)
+def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv, parts_rows=None):
+    """qkv_proj [t, 3 qkv] into rows 0..t-1 of each [parts_rows (t), qkv] part of qkv_parts."""
+    parts = gpu.view(qkv_parts, (3, parts_rows or t, qkv), BF16)
+    parts[:, :t] = gpu.view(qkv_proj, (t, 3, qkv), BF16).transpose(1, 0, 2)
 
 
 def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
@@ -137,11 +136,16 @@ def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
 
 
 # -- decode rows (conv + recurrent step + gated norm, token by token) -------------------------
+def _state_bytes(H, D, W):
+    """One sequence's recurrent [H, D, D] fp32 and conv [W-1, 3 H D] bf16 state, in bytes."""
+    return H * D * D * F32.itemsize, (W - 1) * 3 * H * D * BF16.itemsize
+
+
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
             o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
         # sync: the CUDA blocks' per-head counter; one host pass needs none
-        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        rec, cst = _state_bytes(H, D, W)
         _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core,
                          out_gate, o_norm_w, o_norm_out,
                          [(snap_rec + i * rec, snap_conv + i * cst) for i in range(nsnap)], 0,
@@ -152,7 +156,7 @@ def _kda_decode_rows(D):
 def _kda_decode_batch(D):
     def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
             o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps):
-        rec, cst = H * D * D * 4, (W - 1) * 3 * H * D * 2  # one state's bytes
+        rec, cst = _state_bytes(H, D, W)
         table = gpu.view(slots, nseq, np.int32)
         snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None
         for b in range(nseq):

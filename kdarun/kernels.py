@@ -12,6 +12,7 @@ import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
 from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .dtypes import BF16, F32
 from .errors import KdaError
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
@@ -130,8 +131,8 @@ class Glm5NextKdaKernels:
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         for suffix, m0, rows in self._gemv_slabs(m):
             self._launch("gemv", f"dense_gemv_bf16{suffix}", self._gemv_cfg(n, ks),
-                         (w, x + m0 * k * 2, y + m0 * n * 2, i32(n), i32(k), i32(rows), i32(k),
-                          i32(n), i32(ks)), stream)
+                         (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
+                          i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
 
     @functools.cached_property
     def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:
@@ -166,12 +167,13 @@ class Glm5NextKdaKernels:
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         cfg, shares = self._front_end_plan
         for suffix, m0, rows in self._gemv_slabs(m):
-            at = lambda ptr, width, size=2: ptr + m0 * width * size  # noqa: E731
+            at = lambda ptr, width, size=BF16.itemsize: ptr + m0 * width * size  # noqa: E731
+            f4 = F32.itemsize
             self._launch("gemv", f"front_end_gemv{suffix}", cfg,
                          (w_in, at(hidden, c.hidden_size), at(gate_in, c.gate_in_width),
                           at(qkv_parts, c.qkv), at(qkv_proj, c.conv_dim), f_b, g_b, a_log,
-                          dt_bias, at(g_raw, c.qkv), at(out_gate, c.qkv), at(gate, c.qkv, 4),
-                          at(beta, c.num_heads, 4), sync, i32(c.proj_rows), i32(c.hidden_size),
+                          dt_bias, at(g_raw, c.qkv), at(out_gate, c.qkv), at(gate, c.qkv, f4),
+                          at(beta, c.num_heads, f4), sync, i32(c.proj_rows), i32(c.hidden_size),
                           i32(rows), i32(m), i32(c.gate_in_width), i32(c.num_heads),
                           i32(c.head_dim), i32(c.rank), *self._gate_form(), *shares), stream)
 

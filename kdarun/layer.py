@@ -10,9 +10,10 @@ the result lands in `ws.final_out` and the state is updated in place. With `stag
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -27,12 +28,12 @@ from .weights import Glm5NextKdaWeights
 from .workspace import SPEC, Glm5NextKdaWorkspace
 
 
-@dataclass(frozen=True)
-class Step:
-    """One step of a forward path. `writes` names what it leaves, in order: workspace buffers
-    (`core`), one row of a per-token buffer (`core[2]`), the carried state (`state.recurrent`,
-    `state.conv`) and the state after row r of a multi-row walk (`state.recurrent[r]`).
-    `run(stream)` enqueues it. `gemm` marks the projection GEMMs, which the benchmark sums."""
+class Step(NamedTuple):
+    """One step of a forward path (a named tuple: decode builds its table every call).
+    `writes` names what it leaves, in order: workspace buffers (`core`), one row of a
+    per-token buffer (`core[2]`), the carried state (`state.recurrent`, `state.conv`) and the
+    state after row r of a multi-row walk (`state.recurrent[r]`). `run(stream)` enqueues it.
+    `gemm` marks the projection GEMMs, which the benchmark sums."""
     name: str
     kernel: str
     writes: tuple[str, ...]
@@ -56,6 +57,18 @@ class Stage:
 
 StageHook = Callable[[Stage, GpuBackend, int], None]
 _WRITE = re.compile(r"(state\.)?(\w+)(?:\[(\d+)\])?")
+
+
+@functools.cache
+def _rows_writes(row: int, n: int, nsnap: int) -> tuple[str, ...]:
+    """What decode's walk over rows [row, row+n) writes: each row's outputs, and the states
+    after the first nsnap rows and after the last (cached: decode asks every call)."""
+    writes: list[str] = []
+    for r in range(row, row + n):
+        writes += [f"conv_out[{r}]", f"core[{r}]", f"o_norm_out[{r}]"]
+        if r - row < nsnap or r == row + n - 1:
+            writes += [f"state.recurrent[{r}]", f"state.conv[{r}]"]
+    return tuple(writes)
 
 
 class Glm5NextKdaLayer:
@@ -128,12 +141,7 @@ class Glm5NextKdaLayer:
         states after the first nsnap rows land in the workspace's snapshot scratch."""
         c = self.cfg
         cd, hd, f = c.conv_dim * BF16.itemsize, c.qkv * BF16.itemsize, c.qkv * F32.itemsize
-        writes = []
-        for r in range(row, row + n):
-            writes += [f"conv_out[{r}]", f"core[{r}]", f"o_norm_out[{r}]"]
-            if r - row < nsnap or r == row + n - 1:
-                writes += [f"state.recurrent[{r}]", f"state.conv[{r}]"]
-        return Step("decode_rows", f"kda_decode_rows_d{c.head_dim}", tuple(writes),
+        return Step("decode_rows", f"kda_decode_rows_d{c.head_dim}", _rows_writes(row, n, nsnap),
                     lambda s: self.kernels.kda_decode_rows(
                         s, ws.qkv_proj + row * cd, state.conv, self.weights.conv_w,
                         ws.conv_out + row * cd, ws.gate + row * f,
