@@ -168,11 +168,15 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                            f"{checkpoint or 'the built-in demo checkpoint'} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
         if batch is not None:
-            if input_path or output_path or dump_dir:
+            if input_path or output_path:
                 raise click.UsageError("--batch runs random prompts: it takes no --input and "
-                                       "writes no --output or --dump-stages")
+                                       "writes no --output")
+            run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
+                       config=cfg.to_hf(), input="random",
+                       command=_repeat_command(layer_idx=layer_idx, tokens=tokens or 100,
+                                               k=k or 3, backend=gpu.name))
             _layer_run_batch(gpu, ckpt_path, cfg, layer_idx, batch, tokens or 100,
-                             decode_steps, k or 3, seed, as_json)
+                             decode_steps, k or 3, seed, as_json, dump, run)
             return
         hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
         if tokens is None:
@@ -239,20 +243,30 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
 
 
 def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_prompt: int,
-                     decode_steps: int, k: int, seed: int, as_json: bool) -> None:
-    """layer-run --batch: the serving run (`batch_run.run_batch`) and its table; exit 1 when
-    a sequence fails."""
+                     decode_steps: int, k: int, seed: int, as_json: bool, dump, run: dict) -> None:
+    """layer-run --batch: the serving run (`batch_run.run_batch`) and its table, its stages
+    written to `dump` when given; exit 1 when a sequence fails."""
     from .batch_run import BATCH_TOL, run_batch
+    from .stages import StageRecorder, fingerprint, write_dump
     stack = load_stack(gpu, ckpt_path, max(max_prompt, n * k), [layer_idx])
+    recorder = StageRecorder() if dump is not None else None
     try:
-        checks = run_batch(gpu, stack, layer_idx, n, seed, max_prompt, decode_steps, k)
+        result = run_batch(gpu, stack, layer_idx, n, seed, max_prompt, decode_steps, k,
+                           recorder=recorder)
+        tensors = stack.checkpoint.layer_tensors(layer_idx)
     finally:
         stack.free(gpu)
+    checks = result.checks
+    if dump is not None:
+        run.update(plan=vars(RunPlan(max_prompt, decode_steps, k)),
+                   batch={"lengths": result.lengths, "slots": result.slots})
+        write_dump(dump, recorder, result.hidden, run, fingerprint(cfg, tensors))
     ok = all(c.ok for c in checks)
     if as_json:
         click.echo(_json({"backend": gpu.name, "device": gpu.device_name, "layer": layer_idx,
                           "sequences": [vars(c) | {"ok": c.ok} for c in checks],
-                          "tolerance": BATCH_TOL, "ok": ok}))
+                          "tolerance": BATCH_TOL, "ok": ok,
+                          "dump": None if dump is None else str(dump.path)}))
     else:
         click.echo(f"kdarun layer-run --batch {n}: {gpu.name} ({gpu.device_name}), layer "
                    f"{layer_idx}, {cfg.gate_form} gate; packed prefill, {decode_steps} batched "
@@ -264,6 +278,8 @@ def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_promp
                        f"{c.state_rel:>10.3e}  {'PASS' if c.ok else 'FAIL'}")
         click.echo(f"result: {'PASS' if ok else 'FAIL'}, {sum(c.ok for c in checks)} of {n} "
                    f"sequences within rel < {BATCH_TOL:g} of float64, no NaN/Inf")
+        if dump is not None:
+            click.echo(f"stages: {len(recorder.records)} written to {dump.path}")
     if not ok:
         sys.exit(1)
 

@@ -42,9 +42,25 @@ class Step(NamedTuple):
 
 
 @dataclass(frozen=True)
+class SeqRows:
+    """Where each sequence of a batched call sits in the row buffers, as (start, stop) row
+    ranges: `rows` in the token buffers (`[T, ...]`, sequence-major), `padded` in the chunk
+    layout (`[T_pad, ...]`, where a packed prefill starts each sequence at its own chunk)."""
+    rows: tuple[tuple[int, int], ...]
+    padded: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def uniform(b: int, k: int) -> "SeqRows":
+        """b sequences of k rows each, one after the other in every buffer (batched decode)."""
+        r = tuple((i * k, (i + 1) * k) for i in range(b))
+        return SeqRows(r, r)
+
+
+@dataclass(frozen=True)
 class Stage:
     """One buffer as a step left it: `shape` rows at `ptr`, of which the first `valid_rows`
-    (along axis `row_axis`) belong to the run; the rest is padding."""
+    (along axis `row_axis`) belong to the run; the rest is padding. In a batched call
+    `seq_rows` holds each sequence's (start, stop) rows along `row_axis`."""
     name: str
     kernel: str
     ptr: DevicePtr
@@ -53,6 +69,7 @@ class Stage:
     valid_rows: int
     row_axis: int = 0
     layout: str = ""  # the axes, row-major, e.g. "[T_pad, H, D]"
+    seq_rows: tuple[tuple[int, int], ...] = ()
 
 
 StageHook = Callable[[Stage, GpuBackend, int], None]
@@ -86,23 +103,28 @@ class Glm5NextKdaLayer:
 
     # -- running a table -----------------------------------------------------------------
     def run_steps(self, gpu: GpuBackend, steps: Sequence[Step], t: int,
-                  state: KdaSeqState | None, ws: Glm5NextKdaWorkspace, stream: int) -> None:
+                  state: KdaSeqState | None, ws: Glm5NextKdaWorkspace, stream: int,
+                  seqs: SeqRows | None = None) -> None:
         """Enqueue `steps` in order for a call of t rows (`state` None where no step touches
-        it); the stage hook, if any, sees each public buffer a step writes right after it."""
+        it; `seqs` where each sequence's rows are in a batched call); the stage hook, if any,
+        sees each public buffer a step writes right after it."""
         for step in steps:
             step.run(stream)
             if self.stage_hook is not None:
                 for name in step.writes:
-                    stage = self._stage(name, step.kernel, t, state, ws)
+                    stage = self._stage(name, step.kernel, t, state, ws, seqs)
                     if stage is not None:
                         self.stage_hook(stage, gpu, stream)
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
-               ws: Glm5NextKdaWorkspace) -> Stage | None:
+               ws: Glm5NextKdaWorkspace, seqs: SeqRows | None = None) -> Stage | None:
         """The buffer a `Step.writes` name denotes in a call of t rows; None for private
-        scratch, which stage dumps do not show."""
+        scratch, which stage dumps do not show, and for a state with no `state` (a batched
+        call's states are in its pool, which its caller reads)."""
         is_state, base, row = _WRITE.fullmatch(name).groups()
         cfg = self.cfg
+        if is_state and state is None:
+            return None
         if is_state:
             shape, dtype, layout, valid = ((recurrent_shape(cfg), F32, RECURRENT_LAYOUT,
                                             cfg.num_heads) if base == "recurrent" else
@@ -122,8 +144,10 @@ class Glm5NextKdaLayer:
             ptr += r * int(np.prod(shape[1:])) * spec.dtype.itemsize
             return Stage(name, kernel, ptr, (1,) + shape[1:], spec.dtype, 1, 0, spec.layout)
         axis = 1 if base == "qkv_parts" else 0
+        groups = () if seqs is None else (
+            seqs.padded if spec.layout.startswith("[T_pad") else seqs.rows)
         return Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis,
-                     spec.layout)
+                     spec.layout, groups)
 
     # -- decode ----------------------------------------------------------------------------
     def _front_end_step(self, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace) -> Step:
@@ -252,7 +276,8 @@ class Glm5NextKdaLayer:
         hidden], sequence i's states read from and written back to pool slot slots[i]. Each
         sequence's outputs and states are bit-identical to `decode` on the same state."""
         self._check_batch("decode_batch", b, 1, slots, pool, ws)
-        self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream)
+        self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream,
+                       SeqRows.uniform(b, 1))
 
     def verify_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, k: int, slots: DevicePtr,
                      pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
@@ -267,7 +292,7 @@ class Glm5NextKdaLayer:
             raise KdaError(f"verify_batch: snapshot_slots must be a device pointer to int32 "
                            f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
         self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
-                       b * k, None, ws, stream)
+                       b * k, None, ws, stream, SeqRows.uniform(b, k))
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill_steps(self, hidden: DevicePtr, t: int, state: KdaSeqState,
