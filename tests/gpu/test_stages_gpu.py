@@ -27,7 +27,7 @@ def test_cuda_and_host_dumps_agree(cuda, host, gpu_ckpts, tmp_path):
         assert len(table.rows) > 50
 
 
-def test_cuda_batch_dump_against_host_and_reference(gpu_ckpts, tmp_path):
+def test_cuda_batch_dump_against_host_and_reference(cuda, gpu_ckpts, tmp_path):
     """A serving run's dump (packed prefill, batched decodes, batched verify) keys each
     sequence apart; the CUDA one agrees with the host's stage by stage and with float64."""
     from click.testing import CliRunner
