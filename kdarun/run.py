@@ -20,6 +20,7 @@ from .errors import KdaError, check_int
 from .files import PendingFile
 from .loader import KdaStack
 from .state import KdaSeqState, conv_shape, recurrent_shape
+from .tp import TpGroup, join_conv, join_recurrent
 
 OUTPUT_SUFFIXES = (".npy", ".safetensors")
 _NPY_MAGIC = b"\x93NUMPY"
@@ -146,49 +147,69 @@ def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarr
               plan: RunPlan, stream: int = 0, recorder=None) -> RunResult:
     """Run `plan` through one layer from a zero state; hidden [>= plan.total, hidden] bf16.
     A `recorder` (stages.StageRecorder) sees every stage, keyed by call."""
+    group = TpGroup.of(gpu, [stack], layer_idx, max_rows=1)
+    try:
+        return run_group(gpu, group, hidden, plan, stream, recorder)
+    finally:
+        group.free()
+
+
+def run_group(gpu: GpuBackend, group: TpGroup, hidden: np.ndarray, plan: RunPlan,
+              stream: int = 0, recorder=None) -> RunResult:
+    """Run `plan` through the ranks of a tensor parallel group this process holds (one
+    layer: a group of one) from zero states; hidden [>= plan.total, hidden] bf16. The
+    result's states join the held ranks' (`tp.join_recurrent`, `tp.join_conv`). A
+    `recorder` (stages.StageRecorder, a group of one only) sees every stage, keyed by call."""
     plan.check()
-    layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
+    ws0, cfg = group.ranks[0][1], group.cfg
+    if recorder is not None and group.tp_size > 1:
+        raise KdaError("run: stage dumps show one layer's buffers; a tensor parallel rank's "
+                       "are partial (run with tp_size 1 to dump stages)")
     if hidden.shape[0] < plan.total:
         raise KdaError(f"run: {plan.total} tokens planned but only {hidden.shape[0]} hidden rows")
     hidden = np.ascontiguousarray(hidden[:plan.total].astype(BF16))
     h_dev = gpu.upload(hidden, stream)
     row = cfg.hidden_size * BF16.itemsize
-    state = KdaSeqState(gpu, cfg, stream)
+    states = [KdaSeqState(gpu, cfg, stream) for _ in group.ranks]
     outs: list[np.ndarray] = []
     wall: dict[str, float] = {}
-    layer.stage_hook = recorder
+    layers = [layer for layer, _ in group.ranks]
+    layers[0].stage_hook = recorder
     try:
         def timed(phase: str, fn, n_out: int, call: str) -> None:
             if recorder is not None:
                 recorder.begin(call)
-            ws.poison(stream)
+            for _, ws in group.ranks:
+                ws.poison(stream)
             gpu.synchronize(stream)
             t0 = time.perf_counter()
             fn()
             gpu.synchronize(stream)
             wall[phase] = wall.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
-            outs.append(ws.read("final_out", n_out, stream))
+            outs.append(ws0.read("final_out", n_out, stream))
 
         pos = 0
         if plan.prefill:
-            timed("prefill", lambda: layer.prefill(gpu, h_dev, plan.prefill, state, ws, stream),
+            timed("prefill", lambda: group.prefill(gpu, h_dev, plan.prefill, states, stream),
                   plan.prefill, "prefill")
             pos = plan.prefill
         for i in range(plan.decode_steps):
             p = pos
-            timed("decode", lambda: layer.decode(gpu, h_dev + p * row, state, ws, stream), 1,
+            timed("decode", lambda: group.decode(gpu, h_dev + p * row, states, stream), 1,
                   f"decode.{i}")
             pos += 1
         if plan.k:
             p = pos
-            timed("decode_k", lambda: layer.decode_k(gpu, h_dev + p * row, plan.k, state, ws, (),
+            timed("decode_k", lambda: group.decode_k(gpu, h_dev + p * row, plan.k, states, None,
                                                      stream), plan.k, "decode_k")
-        rec, conv = state.download(stream)
+        got = [st.download(stream) for st in states]
     finally:
-        layer.stage_hook = None
-        state.free()
+        layers[0].stage_hook = None
+        for st in states:
+            st.free()
         gpu.free(h_dev)
-    return RunResult(np.concatenate(outs), rec, conv, wall)
+    return RunResult(np.concatenate(outs), join_recurrent([r for r, _ in got]),
+                     join_conv([c for _, c in got]), wall)
 
 
 @dataclass
