@@ -209,14 +209,16 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             raise KdaError(f"--input {input_path} holds {hidden.shape[0]} rows; the run takes "
                            f"{plan.total} (prefill {plan.prefill} + decode steps "
                            f"{plan.decode_steps} + k {plan.k})")
+        # one rank's stack first: its memory check refuses a run too large before any input
+        stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx]) \
+            if tp == 1 else None
         if hidden is None:
             hidden = random_hidden(plan.total, cfg.hidden_size, seed)
         hidden = hidden[:plan.total]
         recorder = StageRecorder() if dump else None
-        if tp > 1:
+        if stack is None:
             result = run_tp(gpu, ckpt_path, layer_idx, hidden, plan, tp, tp_run_mode)
         else:
-            stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx])
             try:
                 result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
             finally:

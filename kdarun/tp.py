@@ -136,6 +136,7 @@ class TpGroup(DeviceOwner):
         the group's sum: fp32 adds in rank order, each right after its rank ran (ranks may
         share `out`), the all-reduce where the other ranks are other processes, one
         rounding."""
+        self._require_live("a call")
         if self.tp_size == 1:
             call(0, *self.ranks[0])
             return

@@ -185,23 +185,21 @@ def _warm(tp_cfg_heads: int, seed: int, conv_dim: int, d: int) -> tuple[np.ndarr
     return rec, conv
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_decode_k_within_a_group_is_serial_decodes(host, ckpts, tp):
-    """decode_k over K rows through the group is bit-identical to K serial group decodes:
-    outputs, every rank's snapshots and final states."""
-    g, K = Group(host, ckpts["bounded"], tp, 8), 5
+def check_decode_k_is_serial_decodes(gpu, path: str, tp: int) -> None:
+    """decode_k over K rows through a group of tp ranks is bit-identical to K serial group
+    decodes: outputs, every rank's snapshots and final states."""
+    g, K = Group(gpu, path, tp, 8), 5
     rec, conv = _warm(4, 3, 3 * 256, 64)
-    h = random_hidden(K, 256, 4)
-    hp = host.upload(h)
+    hp = gpu.upload(random_hidden(K, 256, 4))
     serial = g.states(rec, conv)
     outs, snaps = [], []
     for t in range(K):
-        g.group.decode(host, hp + t * 512, serial, 0)
+        g.group.decode(gpu, hp + t * 512, serial, 0)
         outs.append(g.out(1))
         snaps.append([s.download() for s in serial])
     batch = g.states(rec, conv)
-    dst = [[KdaSeqState(host, g.cfg) for _ in range(K - 1)] for _ in range(tp)]
-    g.group.decode_k(host, hp, K, batch, [[(s.recurrent, s.conv) for s in d] for d in dst], 0)
+    dst = [[KdaSeqState(gpu, g.cfg) for _ in range(K - 1)] for _ in range(tp)]
+    g.group.decode_k(gpu, hp, K, batch, [[(s.recurrent, s.conv) for s in d] for d in dst], 0)
     assert bits(g.out(K)).tobytes() == bits(np.concatenate(outs)).tobytes()
     for r in range(tp):
         for t in range(K - 1):
@@ -210,6 +208,11 @@ def test_decode_k_within_a_group_is_serial_decodes(host, ckpts, tp):
         for a, b in zip(batch[r].download(), snaps[-1][r]):
             assert bits(a).tobytes() == bits(b).tobytes()
     g.free()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_decode_k_within_a_group_is_serial_decodes(host, ckpts, tp):
+    check_decode_k_is_serial_decodes(host, ckpts["bounded"], tp)
 
 
 def test_the_sum_is_fp32_in_rank_order_rounded_once(host, ckpts):
