@@ -217,6 +217,7 @@ def bench_decode_tp(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Cei
             for r, ws in zip(ranks, wss)], tp_size, comm, k))
     states = [[random_state(gpu, rcfg, rng, stream) for _ in ranks] for _ in groups]
     h = gpu.upload(random_hidden(k, cfg.hidden_size, 3), stream)
+    gpu.synchronize(0)  # the workspaces' zeroing ran on the legacy stream, which ours skips
 
     def step() -> None:
         for group, sts in zip(groups, states):

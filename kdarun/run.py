@@ -255,6 +255,7 @@ def run_tp_rank(gpu: GpuBackend, comm: NcclComm, ckpt_path: str, layer_idx: int,
     """One NCCL rank of `run_tp`: its share of the layer, its states, the group's output."""
     rows = max(plan.prefill, plan.k, 1)
     stack = load_stack(gpu, ckpt_path, rows, [layer_idx], 0, comm.rank, comm.size)
+    gpu.synchronize(0)  # the uploads and zeroing ran on the legacy stream, which ours skips
     stream = gpu.create_stream()
     try:
         group = TpGroup.of(gpu, [stack], layer_idx, comm, rows)
