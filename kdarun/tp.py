@@ -35,7 +35,7 @@ import numpy as np
 from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .dtypes import F32
 from .errors import KdaError, check_int
-from .layer import Glm5NextKdaLayer, prefill_packed
+from .layer import Glm5NextKdaLayer, prefill_packed, prefill_windowed
 from .loader import KdaStack
 from .pool import KdaStatePool
 from .state import KdaSeqState
@@ -161,6 +161,14 @@ class TpGroup(DeviceOwner):
         self._check_per_rank("prefill: states", states)
         self._summed(t, lambda i, layer, ws: layer.prefill(gpu, hidden, t, states[i], ws, stream),
                      stream)
+
+    def prefill_windowed(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
+                         states: Sequence[KdaSeqState], out: DevicePtr, stream: int) -> None:
+        """`layer.prefill_windowed` of every held rank into out [t, hidden] bf16 (t up to
+        `max_rows`), then the sum."""
+        self._check_per_rank("prefill_windowed: states", states)
+        self._summed(t, lambda i, layer, ws: prefill_windowed(layer, gpu, hidden, t, states[i],
+                                                              ws, out, stream), stream, out)
 
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, states: Sequence[KdaSeqState],
                stream: int) -> None:

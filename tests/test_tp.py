@@ -153,12 +153,13 @@ def test_tp_of_one_is_the_layer(host, ckpts):
 
 
 class Group:
-    """tp ranks of layer 1 in turn, from a warm full state sliced by heads."""
+    """tp ranks of layer 1 in turn, workspaces of `rows` tokens, sums of up to `sum_rows`
+    (default `rows`), states from a whole state sliced by heads."""
 
-    def __init__(self, gpu, path: str, tp: int, rows: int):
+    def __init__(self, gpu, path: str, tp: int, rows: int, sum_rows: int | None = None):
         self.gpu, self.tp = gpu, tp
         self.stacks = [load_stack(gpu, path, rows, [1], 0, r, tp) for r in range(tp)]
-        self.group = TpGroup.of(gpu, self.stacks, 1, max_rows=rows)
+        self.group = TpGroup.of(gpu, self.stacks, 1, max_rows=sum_rows or rows)
         self.cfg = self.stacks[0].cfg
 
     def states(self, rec: np.ndarray, conv: np.ndarray) -> list[KdaSeqState]:
@@ -283,6 +284,28 @@ def test_serving_calls_through_a_group(host, ckpts, tp):
     for n in ("one", "tp"):
         for pool in pools[n]:
             pool.free()
+    one.free()
+    grp.free()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_windowed_prefill_through_a_group(host, ckpts, tp):
+    """A prefill longer than the workspace, in windows, through the group: rows within the
+    reordered sum's tolerance of one rank's windows, states the head slices bit for bit."""
+    t = 150
+    one, grp = Group(host, ckpts["softplus"], 1, 64), Group(host, ckpts["softplus"], tp, 64, t)
+    rec, conv = _warm(4, 14, 3 * 256, 64)
+    hp = host.upload(random_hidden(t, 256, 15))
+    got = {}
+    for name, g in (("one", one), ("tp", grp)):
+        states, out = g.states(rec, conv), host.alloc(t * 512)
+        g.group.prefill_windowed(host, hp, t, states, out, 0)
+        got[name] = (host.download(out, (t, 256), BF16), [s.download() for s in states])
+    assert rel(got["tp"][0], got["one"][0]) < TP_VS_ONE_TOL
+    whole_rec, whole_conv = got["one"][1][0]
+    for r, (rr, cc) in enumerate(got["tp"][1]):
+        assert bits(rr).tobytes() == bits(rank_recurrent(whole_rec, r, tp)).tobytes()
+        assert bits(cc).tobytes() == bits(rank_conv(whole_conv, r, tp)).tobytes()
     one.free()
     grp.free()
 
