@@ -21,8 +21,9 @@ from kdarun.tp import TpGroup, join_conv, join_recurrent, rank_conv, rank_recurr
 from .helpers import E2E_TOL, STATE_TOL, bits, rel
 
 # The sum of the ranks' bf16 partials, each rounded once by o_proj before the fp32 sum, against
-# one rank's o_proj (rounded once in all): measured <= 3.3e-3 (tiny preset, both gates, tp 2
-# and 4, 4 seeds, T 1 to 138 with decodes and decode_k); about twice that.
+# one rank's o_proj (rounded once in all): measured <= 3.3e-3 on the host (tiny preset, both
+# gates, tp 2 and 4, 4 seeds, T 1 to 138 with decodes and decode_k) and 3.4e-3 on the H200
+# (a D = 128 stack at tp 2); about twice that.
 TP_VS_ONE_TOL = 6e-3
 LAYOUTS = [("kimi_linear", "flat"), ("glm5_next", "flat"), ("glm5_next", "transformers")]
 
