@@ -5,12 +5,17 @@ against serial decodes within a group, the serving calls, and the fp32 sum itsel
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from safetensors.numpy import load_file
 
 from kdarun import KdaSeqState, synthetic
 from kdarun.bench import Ceilings, bench_decode_tp
 from kdarun.checkpoint import Checkpoint, shard_tensors
+from kdarun.cli import main
 from kdarun.dtypes import BF16, F32
 from kdarun.errors import KdaError
 from kdarun.loader import load_stack
@@ -329,3 +334,20 @@ def test_group_decode_replays_from_a_captured_graph(host, ckpts):
 def test_decode_benchmark_in_turn_runs_on_the_host(host):
     r = bench_decode_tp(host, "tiny", 1, True, Ceilings(1.0, 1.0, 0.0), 0, 2, reps=2)
     assert r.tp == 2 and r.tp_mode == "in-turn" and r.us > 0 and r.rank_us > 0
+
+
+def test_layer_run_tp_on_the_host(host, ckpts, tmp_path):
+    """`kdarun layer-run --tp 2` runs the ranks in turn, passes against float64, says so, and
+    writes the group's output and joined states, those of `run_tp`."""
+    out = tmp_path / "o.safetensors"
+    r = CliRunner().invoke(main, ["layer-run", ckpts["bounded"], "--layer", "1", "--tokens",
+                                  "40", "--decode-steps", "2", "--k", "3", "--backend", "host",
+                                  "--tp", "2", "--output", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["ok"] and doc["tp"] == 2 and doc["tp_mode"] == "in-turn"
+    got = load_file(str(out))
+    want = run_tp(host, ckpts["bounded"], 1, random_hidden(45, 256, 0),
+                  RunPlan(40, 2, 3), 2)
+    for name in ("final_out", "recurrent_state", "conv_state"):
+        assert bits(got[name]).tobytes() == bits(getattr(want, name)).tobytes(), name
