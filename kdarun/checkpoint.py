@@ -10,7 +10,8 @@ GLM-5.3-Flash) and spell their attention tensors one of two ways (`SPELLINGS`): 
 released checkpoints' flat names with three separate convs, or transformers' module tree
 (`forget_gate.*` and one fused `conv1d`). Only the attention tensors of the KDA layers are
 read, one layer at a time; every tensor's shape and dtype are checked before its data is
-touched, and a tensor holding NaN or Inf is refused, naming it.
+touched, and a tensor holding NaN or Inf is refused, naming it. A tensor parallel rank reads
+only its slices of each tensor (`TensorSpec.head_axis`).
 """
 
 from __future__ import annotations
