@@ -270,6 +270,17 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
     gpu.view(out, (t, H * D), BF16)[...] = (n.reshape(t, H * D) * g).astype(BF16)
 
 
+# -- reduce ----------------------------------------------------------------------------------
+def tp_accumulate(gpu, x, acc, n, first):
+    a = gpu.view(acc, int(n), F32)
+    xs = gpu.view(x, int(n), BF16).astype(F32)
+    a[...] = xs if first else a + xs
+
+
+def tp_round(gpu, acc, y, n):
+    gpu.view(y, int(n), BF16)[...] = gpu.view(acc, int(n), F32).astype(BF16)
+
+
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv,
              "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
@@ -281,4 +292,5 @@ HOST_KERNELS: dict[str, dict] = {
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
+    "reduce": {"tp_accumulate": tp_accumulate, "tp_round": tp_round},
 }

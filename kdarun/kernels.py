@@ -15,7 +15,7 @@ from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5Ne
 from .dtypes import BF16, F32
 from .errors import KdaError
 
-FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm")
+FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm", "reduce")
 
 # The launch geometry: the wrappers below size their grids by these, and every build of
 # kernels_cu/ receives them as -DNAME=value (`compile_defines`), so each is written here alone.
@@ -34,7 +34,7 @@ CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
-i32, f32 = np.int32, np.float32
+i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
 
@@ -314,3 +314,21 @@ class Glm5NextKdaKernels:
                      (core, out_gate, w, out, i32(t), i32(c.num_heads), i32(c.head_dim),
                       f32(c.rms_norm_eps)), stream)
 
+    # -- tensor parallel ---------------------------------------------------------------------
+    def tp_accumulate(self, stream: int, x: DevicePtr, acc: DevicePtr, n: int,
+                      first: bool) -> None:
+        """acc[n] fp32 = x[n] bf16 widened (first) or acc + x: one rank's partial final_out
+        added to the group's fp32 sum."""
+        self._tp_check("tp_accumulate", n)
+        self._launch("reduce", "tp_accumulate", _cfg1d(n // 8), (x, acc, i64(n), i32(first)),
+                     stream)
+
+    def tp_round(self, stream: int, acc: DevicePtr, y: DevicePtr, n: int) -> None:
+        """y[n] bf16 = acc[n] fp32 rounded to nearest even: the group's sum, rounded once."""
+        self._tp_check("tp_round", n)
+        self._launch("reduce", "tp_round", _cfg1d(n // 8), (acc, y, i64(n)), stream)
+
+    @staticmethod
+    def _tp_check(name: str, n: int) -> None:
+        if n < 8 or n % 8:
+            raise KdaError(f"{name}: need a positive multiple of 8 elements, got {n}")
