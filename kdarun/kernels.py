@@ -29,7 +29,8 @@ GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
 GEMV_BATCH_BLOCKS_PER_SM = 1  # batch GEMV blocks an SM holds
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
-DECODE_BATCH_SPLIT = 1  # blocks a (sequence, head) in kda_decode_batch
+DECODE_BATCH_BLOCKS_PER_SM = 2  # kda_decode_batch blocks an SM holds (its __launch_bounds__)
+DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
@@ -47,7 +48,7 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
               "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_BATCH_SPLIT": DECODE_BATCH_SPLIT,
+              "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -252,19 +253,29 @@ class Glm5NextKdaKernels:
         on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
         conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
-        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row runs
-        kda_decode_rows' code, so a sequence's bits do not depend on its batch."""
+        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
+        kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
+        batch splits each head's state rows over more blocks (`_batch_split`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        cfg = LaunchConfig((c.num_heads, DECODE_BATCH_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        cfg = LaunchConfig((c.num_heads, self._batch_split(nseq), nseq), (2 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
                       sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
                       i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    def _batch_split(self, nseq: int) -> int:
+        """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
+        while the launch would not fill the SMs once, so a small batch's state still streams
+        through every SM (a state row's update does not depend on the block that owns it)."""
+        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_BLOCKS_PER_SM
+        while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
+            split *= 2
+        return split
 
     @staticmethod
     def _rows_check(name: str, nrows: int, nsnap: int) -> None:
