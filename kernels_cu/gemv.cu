@@ -247,30 +247,246 @@ __device__ __forceinline__ void front_end(
     if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
 }
 
-// Each GEMV twice: for decode and decode_k (up to 8 token rows, one column group: the most
-// blocks an SM) and for batches (up to 8 GEMV_BATCH_GROUPS rows: every weight read once for
-// them all; one block an SM, whose 8 warps' two stages in flight keep the SM streaming, for
-// the accumulators' registers). Their dynamic shared memory (the rings) is exported for the
-// CUDA backend.
-#define GEMV_ENTRIES(SUFFIX, G, BLOCKS)                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS)                       \
-    dense_gemv_bf16##SUFFIX(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, \
-                            int ldy, int ks) {                                                  \
-        dense_gemv<G>(W, x, y, N, K, M, ldx, ldy, ks);                                           \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS) front_end_gemv##SUFFIX( \
+// The batch GEMVs: a block's GEMV_WARPS warps compute TB tiles (16 TB output rows from n0) for
+// up to 8 GEMV_BATCH_GROUPS token rows, a warp a tile and TB column groups of 8. Per stage the
+// block copies the tiles' weights AND the stage's x rows into a ring of GEMV_SLAB_STAGES slots
+// by cp.async (both swizzled as gemv_tile's ring), so x crosses from L2 once a block and
+// reaches the MMAs by ldmatrix, where gemv_tile's warps each loaded every x word of every
+// group from L2 themselves (latency-bound: docs/perf-log.md, v18). A warp walks the whole K:
+// share 0's stages (0, ks, 2 ks, ...), then share 1's, ..., each share's two MMA chains
+// from zero and its sum c0 + c1 added to the running total in share order: exactly the MMAs,
+// chains and sums of gemv_tile's ks shares for every token row, so a row's bits are decode's.
+constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
+static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
+template <int TB>
+constexpr int slab_smem() {
+    return GEMV_SLAB_STAGES * (TB * GEMV_TILE + SLAB_ROWS) * GEMV_STAGE_K * 2;
+}
+
+// W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then
+// hold out[gi] for token rows 8 (g0 + gi) + 2t, + 1 of rows n0 + 16 tile + g, + 8 (g0 as
+// slab_outputs gives it). Every thread of the block must call it. ready() runs in every thread
+// after the first stages' weight copies are issued and before any x is read.
+template <int TB, typename Ready = NoWait>
+__device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int K,
+                                          const bf16* __restrict__ x, int M, int ldx, int n0,
+                                          int ks, float (&out)[TB][4], Ready ready = Ready()) {
+    extern __shared__ uint4 ring[];  // [GEMV_SLAB_STAGES][16 TB + SLAB_ROWS][GEMV_STAGE_K / 8]
+    constexpr int RUNS = GEMV_STAGE_K / 8, WR = TB * GEMV_TILE, SV = (WR + SLAB_ROWS) * RUNS;
+    constexpr int PER = 32 * GEMV_WARPS / RUNS;  // rows one pass of the block's copies covers
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
+    const int last = max(N - 1, 0), c = tid % RUNS;
+    // the idx-th stage in share order: shares below rem hold q + 1 stages, the rest q
+    auto kblock = [&](int idx) {
+        const int big = rem * (q + 1);
+        return idx < big ? idx / (q + 1) + ks * (idx % (q + 1))
+                         : rem + (idx - big) / q + ks * ((idx - big) % q);
+    };
+    auto fill_w = [&](int idx) {
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV;
+#pragma unroll
+        for (int i = 0; i < WR / PER; ++i) {
+            const int r = PER * i + tid / RUNS;
+            cp_async16(st + r * RUNS + (c ^ (r & 7)), W + (u64)min(n0 + r, last) * K + (k < K ? k : 0),
+                       k < K ? 16 : 0);
+        }
+    };
+    auto fill_x = [&](int idx) {  // rows past M zero-filled
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV + WR * RUNS;
+#pragma unroll
+        for (int i = 0; i < SLAB_ROWS / PER; ++i) {
+            const int m = PER * i + tid / RUNS;
+            const bool in = m < M && k < K;
+            cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < GEMV_SLAB_STAGES - 1; ++u)
+        if (u < steps) fill_w(u);
+    ready();
+#pragma unroll
+    for (int u = 0; u < GEMV_SLAB_STAGES - 1; ++u) {
+        if (u < steps) fill_x(u);
+        cp_commit();
+    }
+    const bool mine = n0 + tile * GEMV_TILE < N;
+    const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's A row
+    float acc[TB][2][4] = {};  // even and odd k16 blocks, as gemv_tile's chains
+    int share = 0, left = q + (rem > 0);  // stages left in this share
+    for (int idx = 0; idx < steps; ++idx) {
+        cp_wait<GEMV_SLAB_STAGES - 2>();
+        __syncthreads();  // stage idx is in; every warp is done with the slot refilled next
+        if (idx + GEMV_SLAB_STAGES - 1 < steps) {
+            fill_w(idx + GEMV_SLAB_STAGES - 1);
+            fill_x(idx + GEMV_SLAB_STAGES - 1);
+        }
+        cp_commit();
+        const uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV;
+        if (mine) {
+            unsigned a[GEMV_STAGE_K / 16][4];
+#pragma unroll
+            for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16)
+                ldmatrix_x4(a[k16], st + (tile * GEMV_TILE + row) * RUNS + ((2 * k16 + (mi >> 1)) ^ (row & 7)));
+#pragma unroll
+            for (int gi = 0; gi < TB; ++gi) {
+                if (8 * (g0 + gi) >= M) break;
+                const uint4* xs = st + (WR + 8 * (g0 + gi) + (lane & 7)) * RUNS;
+#pragma unroll
+                for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
+                    unsigned b[4];  // the B fragments of k16 blocks 2 k32 and 2 k32 + 1
+                    ldmatrix_x4(b, xs + ((4 * k32 + mi) ^ (lane & 7)));
+                    mma_bf16(acc[gi][0], a[2 * k32], b);
+                    mma_bf16(acc[gi][1], a[2 * k32 + 1], b + 2);
+                }
+            }
+        }
+        if (--left == 0) {  // the end of a share: its sum into the total, in share order
+#pragma unroll
+            for (int gi = 0; gi < TB; ++gi)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float p = acc[gi][0][i] + acc[gi][1][i];
+                    out[gi][i] = share == 0 ? p : out[gi][i] + p;
+                    acc[gi][0][i] = acc[gi][1][i] = 0.0f;
+                }
+            ++share;
+            left = q + (share < rem);
+        }
+    }
+    return mine;
+}
+
+// Calls put(n, m, value) for each of this lane's gemv_slab outputs that exists (n < N, m < M).
+template <int TB, typename F>
+__device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, int N, int M,
+                                             F put) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int nt = n0 + warp / (GEMV_WARPS / TB) * GEMV_TILE, g0 = warp % (GEMV_WARPS / TB) * TB;
+#pragma unroll
+    for (int gi = 0; gi < TB; ++gi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = nt + g + 8 * (i >> 1), m = 8 * (g0 + gi) + 2 * t + (i & 1);
+            if (n < N && m < M) put(n, m, out[gi][i]);
+        }
+}
+
+// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block.
+template <int TB>
+__device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
+                                           bf16* __restrict__ y, int N, int K, int M, int ldx,
+                                           int ldy, int ks) {
+    const int n0 = blockIdx.x * TB * GEMV_TILE;
+    float out[TB][4];
+    if (gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, out))
+        slab_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+}
+
+// front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's
+// (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
+// proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
+// ks, ks_early and ks_gate are front_end's, so every output has its bits.
+template <int TB>
+__device__ __forceinline__ void front_end_slab(
+    const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
+    bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, const bf16* __restrict__ f_b,
+    const bf16* __restrict__ g_b, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, bf16* __restrict__ g_raw, bf16* __restrict__ out_gate,
+    float* __restrict__ gate, float* __restrict__ beta, int* __restrict__ sync, int N, int K,
+    int M, int P, int ldg, int H, int D, int R, float lower_bound, int bounded, int ks,
+    int ks_early, int ks_gate, int early_blocks, int proj_blocks) {
+    const int qkv = H * D, rows = TB * GEMV_TILE;
+    if (blockIdx.x < proj_blocks) {
+        const bool is_early = blockIdx.x < early_blocks;
+        const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
+        const int n_end = is_early ? N : 3 * qkv;  // rows past it: another region's
+        float out[TB][4];
+        if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, is_early ? ks_early : ks, out))
+            slab_outputs(out, n0, n_end, M, [&](int n, int m, float v) {
+                const bf16 r = f2bf(v);
+                if (n < 3 * qkv) {
+                    qkv_proj[(u64)m * 3 * qkv + n] = r;
+                    qkv_parts[((u64)(n / qkv) * P + m) * qkv + n % qkv] = r;
+                } else {
+                    gate_in[(u64)m * ldg + n - 3 * qkv] = r;  // what the gate blocks read
+                }
+            });
+        if (is_early) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(&sync[0], 1);
+        }
+        return;
+    }
+    auto early_done = [&]() {
+        if (threadIdx.x == 0) {
+            while (*reinterpret_cast<volatile int*>(&sync[0]) < early_blocks) __nanosleep(64);
+            __threadfence();
+        }
+        __syncthreads();
+    };
+    const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
+    const bf16* f_a = gate_in;
+    if (gb == gate_blocks - 1) {
+        early_done();
+        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
+            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
+    } else {
+        // qkv % rows == 0: a block is all f or all g
+        const int n0 = gb * rows;
+        const bool is_f = n0 < qkv;
+        const int c0 = is_f ? n0 : n0 - qkv;
+        float out[TB][4];
+        if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
+                          out, early_done))  // f_b / g_b load while the early blocks finish
+            slab_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
+                const bf16 r = f2bf(v);
+                if (is_f) {
+                    g_raw[(u64)m * qkv + c] = r;
+                    gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c],
+                                                            expf(a_log[c / D]), lower_bound, bounded);
+                } else {
+                    out_gate[(u64)m * qkv + c] = r;
+                }
+            });
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
+}
+
+// The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
+// an SM), and the batches' (up to SLAB_ROWS rows a launch, every weight read once for them
+// all). Their dynamic shared memory (the rings) is exported for the CUDA backend.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
+dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
+                int ks) {
+    dense_gemv<1>(W, x, y, N, K, M, ldx, ldy, ks);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BATCH_BLOCKS_PER_SM)
+dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx,
+                      int ldy, int ks) {
+    dense_slab<GEMV_SLAB_TILES_DENSE>(W, x, y, N, K, M, ldx, ldy, ks);
+}
+#define FRONT_END_ENTRY(NAME, BLOCKS, BODY)                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS) NAME(                 \
         const bf16* W, const bf16* x, bf16* gate_in, bf16* qkv_parts, bf16* qkv_proj,           \
         const bf16* f_b, const bf16* g_b, const float* a_log, const float* dt_bias, bf16* g_raw, \
         bf16* out_gate, float* gate, float* beta, int* sync, int N, int K, int M, int P, int ldg, \
         int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early, int ks_gate,  \
         int early_blocks, int proj_blocks) {                                                    \
-        front_end<G>(W, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,       \
-                     out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, \
-                     ks, ks_early, ks_gate, early_blocks, proj_blocks);                         \
-    }                                                                                           \
-    extern "C" {                                                                                \
-    __constant__ int dense_gemv_bf16##SUFFIX##_smem = GEMV_RING_BYTES;                           \
-    __constant__ int front_end_gemv##SUFFIX##_smem = GEMV_RING_BYTES;                            \
+        BODY(W, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw, out_gate,     \
+             gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks, ks_early,    \
+             ks_gate, early_blocks, proj_blocks);                                               \
     }
-GEMV_ENTRIES(, 1, GEMV_BLOCKS_PER_SM)
-GEMV_ENTRIES(_batch, GEMV_BATCH_GROUPS, GEMV_BATCH_BLOCKS_PER_SM)
+FRONT_END_ENTRY(front_end_gemv, GEMV_BLOCKS_PER_SM, front_end<1>)
+FRONT_END_ENTRY(front_end_gemv_batch, GEMV_BATCH_BLOCKS_PER_SM, front_end_slab<GEMV_SLAB_TILES>)
+extern "C" {
+__constant__ int dense_gemv_bf16_smem = GEMV_RING_BYTES;
+__constant__ int front_end_gemv_smem = GEMV_RING_BYTES;
+__constant__ int dense_gemv_bf16_batch_smem = slab_smem<GEMV_SLAB_TILES_DENSE>();
+__constant__ int front_end_gemv_batch_smem = slab_smem<GEMV_SLAB_TILES>();
+}
