@@ -261,14 +261,18 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
                        k < K ? 16 : 0);
         }
     };
-    auto fill_x = [&](int idx) {  // rows past M zero-filled
+    // rows past M of the last column group zero-filled; those of groups past M not copied
+    // (no MMA reads them)
+    const int mg = (M + 7) & ~7;
+    auto fill_x = [&](int idx) {
         const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
         uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV + WR * RUNS;
 #pragma unroll
         for (int i = 0; i < SLAB_ROWS / PER; ++i) {
             const int m = PER * i + tid / RUNS;
             const bool in = m < M && k < K;
-            cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
+            if (m < mg)
+                cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
         }
     };
 #pragma unroll
