@@ -28,7 +28,8 @@ GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds
-GEMV_SLAB_STAGES = 3  # the batch GEMVs' ring: stages of weights and x rows a block holds
+GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
+GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
 GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
 GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
@@ -52,7 +53,8 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
               "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM,
-              "GEMV_SLAB_STAGES": GEMV_SLAB_STAGES, "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
+              "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
+              "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
               "DECODE_BATCH_BUFFERS": DECODE_BATCH_BUFFERS,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}

@@ -215,19 +215,27 @@ __device__ __forceinline__ void front_end(
 }
 
 // The batch GEMVs: a block's GEMV_WARPS warps compute TB tiles (16 TB output rows from n0) for
-// up to 8 GEMV_BATCH_GROUPS token rows, a warp a tile and TB column groups of 8. Per stage the
-// block copies the tiles' weights AND the stage's x rows into a ring of GEMV_SLAB_STAGES slots
-// by cp.async (both swizzled as gemv_tile's ring), so x crosses from L2 once a block and
-// reaches the MMAs by ldmatrix, where gemv_tile's warps each loaded every x word of every
-// group from L2 themselves (latency-bound: docs/perf-log.md, v18). A warp walks the whole K:
-// share 0's stages (0, ks, 2 ks, ...), then share 1's, ..., each share's two MMA chains
-// from zero and its sum c0 + c1 added to the running total in share order: exactly the MMAs,
-// chains and sums of gemv_tile's ks shares for every token row, so a row's bits are decode's.
+// up to 8 GEMV_BATCH_GROUPS token rows, a warp a tile and TB column groups of 8. The block
+// copies the tiles' weights and the x rows of each stage by cp.async into two rings (both
+// swizzled as gemv_tile's), so x crosses from L2 once a block and reaches the MMAs by
+// ldmatrix, where gemv_tile's warps each loaded every x word of every group from L2
+// themselves (latency-bound: docs/perf-log.md, v18). The weights come from DRAM and need
+// more bytes in flight than x from L2: the weights' ring is GEMV_SLAB_W_BYTES deep, x's
+// GEMV_SLAB_X_STAGES; the first half of the warps copies weights and the second x, so each
+// half waits on its own commit groups. A warp walks the whole K: share 0's stages (0, ks,
+// 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
+// added to the running total in share order: exactly the MMAs, chains and sums of
+// gemv_tile's ks shares for every token row, so a row's bits are decode's.
 constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
+constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
 static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
 template <int TB>
-constexpr int slab_smem() {
-    return GEMV_SLAB_STAGES * (TB * GEMV_TILE + SLAB_ROWS) * GEMV_STAGE_K * 2;
+__host__ __device__ constexpr int slab_w_stages() {
+    return GEMV_SLAB_W_BYTES / (TB * GEMV_TILE * SLAB_RUNS * 16);
+}
+template <int TB>
+__host__ __device__ constexpr int slab_smem() {
+    return (slab_w_stages<TB>() * TB * GEMV_TILE + GEMV_SLAB_X_STAGES * SLAB_ROWS) * SLAB_RUNS * 16;
 }
 
 // W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then
@@ -238,13 +246,17 @@ template <int TB, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
                                           int ks, float (&out)[TB][4], Ready ready = Ready()) {
-    extern __shared__ uint4 ring[];  // [GEMV_SLAB_STAGES][16 TB + SLAB_ROWS][GEMV_STAGE_K / 8]
-    constexpr int RUNS = GEMV_STAGE_K / 8, WR = TB * GEMV_TILE, SV = (WR + SLAB_ROWS) * RUNS;
-    constexpr int PER = 32 * GEMV_WARPS / RUNS;  // rows one pass of the block's copies covers
+    extern __shared__ uint4 ring[];  // [SW][16 TB][SLAB_RUNS] weights, then [SX][SLAB_ROWS][SLAB_RUNS] x
+    constexpr int RUNS = SLAB_RUNS, WR = TB * GEMV_TILE, SW = slab_w_stages<TB>();
+    constexpr int SX = GEMV_SLAB_X_STAGES, PER = 16 * GEMV_WARPS / RUNS;  // rows a pass of a half
+    static_assert(SW >= 2 && SX >= 2 && WR % PER == 0, "rings of two stages at least");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool copies_w = warp < GEMV_WARPS / 2;
+    const int ct = tid % (16 * GEMV_WARPS), c = tid % RUNS;  // this thread in its half
     const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
     const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
-    const int last = max(N - 1, 0), c = tid % RUNS;
+    const int last = max(N - 1, 0);
+    uint4* xring = ring + SW * WR * RUNS;
     // the idx-th stage in share order: shares below rem hold q + 1 stages, the rest q
     auto kblock = [&](int idx) {
         const int big = rem * (q + 1);
@@ -253,10 +265,10 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     };
     auto fill_w = [&](int idx) {
         const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
-        uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV;
+        uint4* st = ring + (idx % SW) * WR * RUNS;
 #pragma unroll
         for (int i = 0; i < WR / PER; ++i) {
-            const int r = PER * i + tid / RUNS;
+            const int r = PER * i + ct / RUNS;
             cp_async16(st + r * RUNS + (c ^ (r & 7)), W + (u64)min(n0 + r, last) * K + (k < K ? k : 0),
                        k < K ? 16 : 0);
         }
@@ -266,38 +278,44 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const int mg = (M + 7) & ~7;
     auto fill_x = [&](int idx) {
         const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
-        uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV + WR * RUNS;
+        uint4* st = xring + (idx % SX) * SLAB_ROWS * RUNS;
 #pragma unroll
         for (int i = 0; i < SLAB_ROWS / PER; ++i) {
-            const int m = PER * i + tid / RUNS;
+            const int m = PER * i + ct / RUNS;
             const bool in = m < M && k < K;
             if (m < mg)
                 cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
         }
     };
+    if (copies_w)
 #pragma unroll
-    for (int u = 0; u < GEMV_SLAB_STAGES - 1; ++u)
-        if (u < steps) fill_w(u);
+        for (int u = 0; u < SW - 1; ++u) {
+            if (u < steps) fill_w(u);
+            cp_commit();
+        }
     ready();
+    if (!copies_w)
 #pragma unroll
-    for (int u = 0; u < GEMV_SLAB_STAGES - 1; ++u) {
-        if (u < steps) fill_x(u);
-        cp_commit();
-    }
+        for (int u = 0; u < SX - 1; ++u) {
+            if (u < steps) fill_x(u);
+            cp_commit();
+        }
     const bool mine = n0 + tile * GEMV_TILE < N;
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's A row
     float acc[TB][2][4] = {};  // even and odd k16 blocks, as gemv_tile's chains
     int share = 0, left = q + (rem > 0);  // stages left in this share
     for (int idx = 0; idx < steps; ++idx) {
-        cp_wait<GEMV_SLAB_STAGES - 2>();
-        __syncthreads();  // stage idx is in; every warp is done with the slot refilled next
-        if (idx + GEMV_SLAB_STAGES - 1 < steps) {
-            fill_w(idx + GEMV_SLAB_STAGES - 1);
-            fill_x(idx + GEMV_SLAB_STAGES - 1);
+        if (copies_w) cp_wait<SW - 2>();
+        else cp_wait<SX - 2>();
+        __syncthreads();  // stage idx is in; every warp is done with the slots refilled next
+        if (copies_w) {
+            if (idx + SW - 1 < steps) fill_w(idx + SW - 1);
+        } else {
+            if (idx + SX - 1 < steps) fill_x(idx + SX - 1);
         }
         cp_commit();
-        const uint4* st = ring + (idx % GEMV_SLAB_STAGES) * SV;
         if (mine) {
+            const uint4* st = ring + (idx % SW) * WR * RUNS;
             unsigned a[GEMV_STAGE_K / 16][4];
 #pragma unroll
             for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16)
@@ -305,7 +323,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
 #pragma unroll
             for (int gi = 0; gi < TB; ++gi) {
                 if (8 * (g0 + gi) >= M) break;
-                const uint4* xs = st + (WR + 8 * (g0 + gi) + (lane & 7)) * RUNS;
+                const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * (g0 + gi) + (lane & 7)) * RUNS;
 #pragma unroll
                 for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
                     unsigned b[4];  // the B fragments of k16 blocks 2 k32 and 2 k32 + 1
