@@ -155,8 +155,7 @@ def _kda_decode_rows(D):
 
 def _kda_decode_batch(D):
     def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
-            o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps, split):
-        # split: how the CUDA kernel parts a head's state rows; one host pass needs none
+            o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps):
         rec, cst = _state_bytes(H, D, W)
         table = gpu.view(slots, nseq, np.int32)
         snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None

@@ -33,9 +33,8 @@ GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suff
 GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
 GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
-DECODE_BATCH_BUFFERS = 3  # kda_decode_batch's items' state buffers: prefetched 2 items ahead
-DECODE_BATCH_ITEMS_PER_SM = 4  # kda_decode_batch splits heads until it has this many items an SM
-DECODE_BATCH_MAX_SPLIT = 8  # most items a (sequence, head) in kda_decode_batch (a power of two)
+DECODE_BATCH_BLOCKS_PER_SM = 2  # kda_decode_batch blocks an SM holds (its __launch_bounds__)
+DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
@@ -56,7 +55,7 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
               "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_BATCH_BUFFERS": DECODE_BATCH_BUFFERS,
+              "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -284,28 +283,24 @@ class Glm5NextKdaKernels:
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
         (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
         kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
-        batch splits each head's state rows over more items (`_batch_split`); one persistent
-        block an SM takes items in turn, their states prefetched."""
+        batch splits each head's state rows over more blocks (`_batch_split`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        split = self._batch_split(nseq)
-        blocks = min(nseq * c.num_heads * split, self.gpu.sm_count)  # persistent: one an SM
-        cfg = LaunchConfig((blocks, 1, 1), (4 * c.head_dim, 1, 1))
+        cfg = LaunchConfig((c.num_heads, self._batch_split(nseq), nseq), (2 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
                       sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
-                      i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps), i32(split)), stream)
+                      i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
 
     def _batch_split(self, nseq: int) -> int:
-        """Items a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
-        while there are fewer than DECODE_BATCH_ITEMS_PER_SM items an SM, so a small batch's
-        state still streams through every SM, items ahead (a state row's update does not
-        depend on the item that owns it)."""
-        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_ITEMS_PER_SM
+        """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
+        while the launch would not fill the SMs once, so a small batch's state still streams
+        through every SM (a state row's update does not depend on the block that owns it)."""
+        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_BLOCKS_PER_SM
         while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
             split *= 2
         return split

@@ -207,204 +207,179 @@ __device__ __forceinline__ void decode_rows(
                                      out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, sync, \
                                      nrows, nsnap, H, W, scale, eps);                           \
     }
-// Many sequences a launch, persistent: the work items are (sequence, head, slice), a slice
-// being D / split of a head's state rows (split > 1 for small batches, so that there are
-// items enough for every SM); block i takes items i, i + gridDim.x, ... Each item's state
-// rows stream into one of DECODE_BATCH_BUFFERS shared-memory buffers by cp.async, issued
-// DECODE_BATCH_BUFFERS - 1 items ahead, so the state (the launch's only large traffic) keeps
-// flowing while an item's conv, step and norm run: a block a (sequence, head) that loads,
-// computes and stores in turn left the copy engine idle between phases, every block of a wave
-// in step (docs/perf-log.md, v19). In an item, 4 D threads convolve q, k, v or form the decay,
-// for every token before any state row moves (two barriers for K tokens), then each warp
-// walks its rows through all tokens in registers. Every value takes decode_rows' arithmetic
-// in its order (the conv's taps, the L2 partial sums a warp of 32 channels at a time, a state
-// row's lane split and warp sums, the norm), so a sequence's bits equal decode's and
-// decode_k's whatever its batch and split.
+// Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
+// slice D / split.. of it (split = gridDim.y, a power of two up to 16: small batches split a
+// head over more blocks, so the state still streams through the whole GPU). 2 D threads: each
+// first convolves q (threads < D) or k, then v or the decay, for all nrows tokens before any
+// state row moves, so the K tokens of a verify cost two barriers, not two a token; then each
+// of the D / 16 warps walks its 16 / split state rows through all tokens in registers. Every
+// value is formed by decode_rows' arithmetic in its order (the conv's taps, the L2 partial
+// sums a warp of 32 channels at a time, a state row's lane split and warp sums, the norm), so
+// a sequence's bits equal decode's and decode_k's whatever its batch and split.
 template <int D>
 __device__ __forceinline__ void decode_batch(
-    const bf16* __restrict__ x, bf16* __restrict__ conv_pool, const float* __restrict__ conv_w,
+    const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
     bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
-    float* __restrict__ rec_pool, float* __restrict__ core, const bf16* __restrict__ out_gate,
+    float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    const int* __restrict__ slots, const int* __restrict__ snap_slots, int* __restrict__ sync,
-    int nseq, int nrows, int nsnap, int H, int W, float scale, float eps, int split) {
-    constexpr int E = D / 32, NW = 4 * D / 32, RPW = D / NW, R = MAX_DECODE_ROWS;
-    constexpr int NB = DECODE_BATCH_BUFFERS;
-    extern __shared__ float4 bufs[];  // [NB][D * D / 4]: items' state rows
+    float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
+    int* __restrict__ sync, int nrows, int nsnap, int H, int W, float scale, float eps) {
+    constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
     __shared__ __align__(16) float qs[R][D], ks[R][D], vs[R][D], gx[R][D], cs[R][D], ogs[R][D];
     __shared__ __align__(16) float nws[D];
     __shared__ float part[R][NW], bs[R];
+    __shared__ bf16 tap_s[MAX_CONV_KERNEL - 1][2 * D];
     __shared__ int last, snap[R];
+    const int h = blockIdx.x, slice = blockIdx.y, split = gridDim.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 the decay
     const int qkv = H * D, conv_dim = 3 * qkv, rows = D / split, rpw = RPW / split;
-    const int items = nseq * H * split, nsl = nrows > 1 ? nrows - 1 : 0;
-    // item's state rows into buffer u (nothing for a padding row); one commit group an item
-    auto fetch = [&](int item, int u) {
-        const int slot = item < items ? slots[item / (H * split)] : -1;
-        if (slot >= 0) {
-            const float4* src = reinterpret_cast<const float4*>(
-                rec_pool + (((u64)slot * H + item / split % H) * D + (u64)(item % split) * rows) * D);
-            for (int i = tid; i < rows * D / 4; i += blockDim.x)
-                cp_async16(bufs + u * (D * D / 4) + i, src + i);
-        }
-        cp_commit();
-    };
+    const int pair = tid / D, d = tid % D;
+    const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
+    const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
+    const int row0 = slice * rows + warp * rpw;            // this warp's first state row
+    // The loads that depend on nothing first, so the state rows' latency overlaps the conv's.
+    float* S = state + (u64)h * D * D;
+    float s[RPW][E];
 #pragma unroll
-    for (int u = 0; u < NB - 1; ++u) fetch(blockIdx.x + u * gridDim.x, u);
+    for (int r = 0; r < RPW; ++r)
+        if (r < rpw) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
+    if (tid < nsnap) snap[tid] = snap_slots[tid];
+    if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
     if (tid < D) nws[tid] = o_norm_w[tid];
-    int n = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
-        fetch(item + (NB - 1) * gridDim.x, (n + NB - 1) % NB);  // the buffer item n-1 freed
-        const int b = item / (H * split), h = item / split % H, slice = item % split;
-        const int slot = slots[b];
-        if (slot < 0) continue;  // a padding row
-        const u64 r0 = (u64)b * nrows;
-        bf16* cst = conv_pool + (u64)slot * (W - 1) * conv_dim;
-        const int c = p * qkv + h * D + d;                  // this thread's conv channel (p < 3)
-        const bool mine_v = p == 2 && d / rows == slice;  // v channels: only this item's rows
-        const bool owner = p < 2 ? slice == 0 : mine_v;   // writes this channel's conv outputs
-        if (tid < nsnap) snap[tid] = snap_slots[(u64)b * nsl + tid];
-        if (tid < nrows) bs[tid] = beta[(r0 + tid) * H + h];
-        bf16 tap[MAX_CONV_KERNEL];
-        float wt[MAX_CONV_KERNEL];
-        if (p < 2 || mine_v) conv_load(tap, wt, cst, conv_w, c, conv_dim, W);
-        // The conv of every token: q / k kept unnormalised until the L2 partial sums of all
-        // tokens are in; v, the decay and the norm's gate straight to shared memory.
-        float ya[R];
+    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
+    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
+    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
+    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
+    // The conv of every token: q / k kept unnormalised in registers until the L2 partial sums
+    // of all tokens are in; v, the decay and the norm's gate straight to shared memory.
+    float ya[R];
 #pragma unroll
-        for (int t = 0; t < R; ++t) {
-            if (t >= nrows) break;
-            if (p < 2) {
-                ya[t] = conv_row(tap, wt, x[(r0 + t) * conv_dim + c], W);
-                const float sq = warp_sum(ya[t] * ya[t]);
-                if (lane == 0) part[t][warp] = sq;
-            } else if (mine_v) {
-                const bf16 r = f2bf(conv_row(tap, wt, x[(r0 + t) * conv_dim + c], W));
-                conv_out[(r0 + t) * conv_dim + c] = r;
-                vs[t][d] = bf2f(r);
-            } else if (p == 3) {
-                gx[t][d] = expf(gate[(r0 + t) * qkv + h * D + d]);
-                ogs[t][d] = bf2f(out_gate[(r0 + t) * qkv + h * D + d]);
-            }
-            const int si = t < nsnap ? snap_slots[(u64)b * nsl + t] : -1;
-            if (si >= 0 && owner)  // the conv state after this token
-                conv_store(conv_pool + (u64)si * (W - 1) * conv_dim, tap, c, conv_dim, W);
+    for (int t = 0; t < R; ++t) {
+        if (t >= nrows) break;
+        ya[t] = conv_row(ta, wa, x[(u64)t * conv_dim + ca], W);
+        const float sq = warp_sum(ya[t] * ya[t]);
+        if (lane == 0) part[t][warp] = sq;
+        if (mine_v) {
+            const bf16 r = f2bf(conv_row(tv, wv, x[(u64)t * conv_dim + cv], W));
+            conv_out[(u64)t * conv_dim + cv] = r;
+            vs[t][d] = bf2f(r);
+        } else if (pair == 1) {
+            gx[t][d] = expf(gate[(u64)t * qkv + h * D + d]);
+            ogs[t][d] = bf2f(out_gate[(u64)t * qkv + h * D + d]);
         }
-        if (mine_v) conv_store(cst, tap, c, conv_dim, W);  // no other item reads them
-        __syncthreads();
-#pragma unroll
-        for (int t = 0; t < R; ++t) {
-            if (t >= nrows) break;
-            if (p < 2) {
-                float ss = 0.0f;
-                for (int i = 0; i < D / 32; ++i) ss += part[t][p * (D / 32) + i];
-                const bf16 r = f2bf(ya[t] * (1.0f / sqrtf(ss + L2_NORM_EPS)));
-                if (owner) conv_out[(r0 + t) * conv_dim + c] = r;
-                (p == 0 ? qs : ks)[t][d] = bf2f(r);
-            }
+        const int si = t < nsnap ? snap_slots[t] : -1;  // the conv state after this token
+        if (si >= 0) {
+            bf16* to = conv_pool + (u64)si * (W - 1) * conv_dim;
+            if (slice == 0) conv_store(to, ta, ca, conv_dim, W);
+            if (mine_v) conv_store(to, tv, cv, conv_dim, W);
         }
-        cp_wait<NB - 1>();  // this item's rows are in; the later items' may still fly
-        __syncthreads();
-        // The delta-rule step, token by token, on this warp's rows.
-        const int row0 = warp * rpw;  // in the item's rows
-        const float* buf = reinterpret_cast<const float*>(bufs + (n % NB) * (D * D / 4));
-        float s[RPW][E];
-#pragma unroll
-        for (int r = 0; r < RPW; ++r)
-            if (r < rpw) ldv(s[r], buf + (row0 + r) * D + lane * E);
-#pragma unroll 1
-        for (int t = 0; t < nrows; ++t) {
-            float gv[E], kv[E], qv[E];
-            ldv(gv, gx[t] + lane * E);
-            ldv(kv, ks[t] + lane * E);
-            ldv(qv, qs[t] + lane * E);
-#pragma unroll
-            for (int e = 0; e < E; ++e) qv[e] *= scale;
-            const int si = t < nsnap ? snap[t] : -1;
-            float* to = rec_pool + ((u64)max(si, 0) * H + h) * D * D;
-#pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-                if (r >= rpw) break;
-                const int j = slice * rows + row0 + r;
-                float kS = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    s[r][e] *= gv[e];
-                    kS = __fmaf_rn(s[r][e], kv[e], kS);
-                }
-                const float bres = bs[t] * (vs[t][j] - warp_sum(kS));
-                float o = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
-                    o = __fmaf_rn(s[r][e], qv[e], o);
-                }
-                o = warp_sum(o);
-                if (lane == 0) {
-                    core[(r0 + t) * qkv + h * D + j] = o;
-                    cs[t][j] = o;
-                }
-                if (si >= 0) stv(to + (u64)j * D + lane * E, s[r]);  // for a partial accept
-            }
-        }
-        float* S = rec_pool + ((u64)slot * H + h) * D * D;
-#pragma unroll
-        for (int r = 0; r < RPW; ++r)
-            if (r < rpw) stv(S + (u64)(slice * rows + row0 + r) * D + lane * E, s[r]);
-        // The gated RMSNorm needs the head's D outputs: in shared memory at split 1, else the
-        // last of the head's items to finish (a counter, left at zero again) reads them back.
-        // That item also stores the q / k conv state, which every slice read at its start.
-        bool norm = true;
-        if (split > 1) {
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) last = atomicAdd(&sync[b * H + h], 1) == split - 1;
-            __syncthreads();
-            norm = last;
-            if (norm) {
-                __threadfence();
-                if (tid == 0) sync[b * H + h] = 0;
-            }
-        } else {
-            __syncthreads();
-        }
-        if (norm) {
-            for (int t = warp; t < nrows; t += NW) {
-                const u64 o = (r0 + t) * qkv + h * D + lane * E;
-                float v[E], og[E], nw[E];
-                unsigned y[E / 2];
-                ldv(og, ogs[t] + lane * E);
-                ldv(nw, nws + lane * E);
-#pragma unroll
-                for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t][lane * E + e];
-                gated_rms(v, nw, og, D, eps, y);
-#pragma unroll
-                for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
-            }
-            if (p < 2) conv_store(cst, tap, c, conv_dim, W);
-        }
-        __syncthreads();  // the item's buffer and shared arrays are free again
     }
-    cp_wait<0>();  // no copy outlives the block
+    if (mine_v) conv_store(conv_state, tv, cv, conv_dim, W);  // no other block reads them
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // q / k's, stored once every block read them
+        if (j < W - 1) tap_s[j][tid] = ta[j];
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < R; ++t) {
+        if (t >= nrows) break;
+        float ss = 0.0f;
+        for (int i = 0; i < D / 32; ++i) ss += part[t][pair * (D / 32) + i];
+        const bf16 r = f2bf(ya[t] * (1.0f / sqrtf(ss + L2_NORM_EPS)));
+        if (slice == 0) conv_out[(u64)t * conv_dim + ca] = r;
+        (pair == 0 ? qs : ks)[t][d] = bf2f(r);
+    }
+    __syncthreads();
+    // The delta-rule step, token by token, on this warp's rows.
+#pragma unroll 1
+    for (int t = 0; t < nrows; ++t) {
+        float gv[E], kv[E], qv[E];
+        ldv(gv, gx[t] + lane * E);
+        ldv(kv, ks[t] + lane * E);
+        ldv(qv, qs[t] + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qv[e] *= scale;
+        const int si = t < nsnap ? snap[t] : -1;
+        float* to = rec_pool + ((u64)si * H + h) * D * D;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            if (r >= rpw) break;
+            const int j = row0 + r;
+            float kS = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                s[r][e] *= gv[e];
+                kS = __fmaf_rn(s[r][e], kv[e], kS);
+            }
+            const float bres = bs[t] * (vs[t][j] - warp_sum(kS));
+            float o = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
+                o = __fmaf_rn(s[r][e], qv[e], o);
+            }
+            o = warp_sum(o);
+            if (lane == 0) {
+                core[(u64)t * qkv + h * D + j] = o;
+                cs[t][j] = o;
+            }
+            if (si >= 0) stv(to + (u64)j * D + lane * E, s[r]);  // for a partial accept
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+        if (r < rpw) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
+    // The gated RMSNorm needs the head's D outputs: in this block's shared memory at split 1,
+    // else the last of the head's blocks to finish (a counter, left at zero again) reads them
+    // back. That block also stores the q / k conv state, which every block read at its start.
+    if (split > 1) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(&sync[h], 1) == split - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        if (tid == 0) sync[h] = 0;
+    } else {
+        __syncthreads();
+    }
+    for (int t = warp; t < nrows; t += NW) {
+        const u64 o = (u64)t * qkv + h * D + lane * E;
+        float v[E], og[E], nw[E];
+        unsigned y[E / 2];
+        ldv(og, ogs[t] + lane * E);
+        ldv(nw, nws + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t][lane * E + e];
+        gated_rms(v, nw, og, D, eps, y);
+#pragma unroll
+        for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
+    }
+    for (int j = 0; j < W - 1; ++j) conv_state[(u64)j * conv_dim + ca] = tap_s[j][tid];
 }
 
-// A batch: sequence b < nseq takes rows b nrows.. of the row buffers and the states of slot
-// slots[b] in pools [slots, H, Dv, Dk] and [slots, W-1, conv_dim] (a slot < 0 is a padding row:
-// its items read and write nothing); the state after its row r < nsnap goes to pool slot
-// snap_slots[b (nrows-1) + r] (< 0: skipped). sync has a counter per (sequence, head).
+// A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the
+// states of slot slots[b] in pools [slots, H, Dv, Dk] and [slots, W-1, conv_dim] (a slot < 0
+// is a padding row: its blocks read and write nothing); the state after its row r < nsnap goes
+// to pool slot snap_slots[b (nrows-1) + r] (< 0: skipped). sync has a counter per (sequence,
+// head).
 #define KDA_DECODE_BATCH(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(4 * D, 1) kda_decode_batch_d##D(               \
-        const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate, \
-        const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
-        const float* o_norm_w, bf16* o_norm_out, const int* slots, const int* snap_slots,       \
-        int* sync, int nseq, int nrows, int nsnap, int H, int W, float scale, float eps,        \
-        int split) {                                                                            \
-        decode_batch<D>(x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,   \
-                        o_norm_w, o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, \
-                        scale, eps, split);                                                     \
-    }                                                                                           \
-    extern "C" __constant__ int kda_decode_batch_d##D##_smem = DECODE_BATCH_BUFFERS * D * D * 4;
+    extern "C" __global__ void __launch_bounds__(2 * D, DECODE_BATCH_BLOCKS_PER_SM)             \
+    kda_decode_batch_d##D(const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out,  \
+                          const float* gate, const float* beta, float* rec_pool, float* core,   \
+                          const bf16* out_gate, const float* o_norm_w, bf16* o_norm_out,        \
+                          const int* slots, const int* snap_slots, int* sync, int nseq,         \
+                          int nrows, int nsnap, int H, int W, float scale, float eps) {         \
+        const int b = blockIdx.z, slot = b < nseq ? slots[b] : -1;                              \
+        if (slot < 0) return;                                                                   \
+        const int qkv = H * D, conv_dim = 3 * qkv;                                              \
+        const u64 r0 = (u64)b * nrows;                                                          \
+        decode_batch<D>(x + r0 * conv_dim, conv_pool + (u64)slot * (W - 1) * conv_dim, conv_w,  \
+                        conv_out + r0 * conv_dim, gate + r0 * qkv, beta + r0 * H,               \
+                        rec_pool + (u64)slot * H * D * D, core + r0 * qkv, out_gate + r0 * qkv, \
+                        o_norm_w, o_norm_out + r0 * qkv, rec_pool, conv_pool,                   \
+                        snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0), sync + (u64)b * H,   \
+                        nrows, nsnap, H, W, scale, eps);                                        \
+    }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
 KDA_DECODE_BATCH(64)

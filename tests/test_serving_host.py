@@ -48,17 +48,15 @@ def test_front_end_batch_plan_covers_every_row(preset):
 
 
 @pytest.mark.parametrize("sm_count", [1, 16, 132])
-def test_batch_split_gives_every_sm_items(sm_count):
-    """kda_decode_batch splits a head into a power of two of items, at most
-    DECODE_BATCH_MAX_SPLIT, the fewest that give each SM DECODE_BATCH_ITEMS_PER_SM (1 for large
-    batches)."""
+def test_batch_split_fills_the_gpu_once(sm_count):
+    """kda_decode_batch splits a head over a power of two of blocks, at most
+    DECODE_BATCH_MAX_SPLIT, the fewest that fill the SMs once (1 for large batches)."""
     cfg = synthetic.preset_config("kimi-linear-48b")
-
     class Sized(type(open_backend("host", announce=False))):
         pass
     Sized.sm_count = sm_count
     kn = Glm5NextKdaKernels(Sized(), cfg)
-    full = sm_count * kernels.DECODE_BATCH_ITEMS_PER_SM
+    full = sm_count * kernels.DECODE_BATCH_BLOCKS_PER_SM
     for nseq in (1, 2, 3, 8, 64, 256):
         split = kn._batch_split(nseq)
         assert split & (split - 1) == 0 and split <= kernels.DECODE_BATCH_MAX_SPLIT
