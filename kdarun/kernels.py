@@ -27,9 +27,14 @@ GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
 GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
-GEMV_BATCH_BLOCKS_PER_SM = 1  # batch GEMV blocks an SM holds
+GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds
+GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
+GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
+GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
+GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
-DECODE_BATCH_SPLIT = 1  # blocks a (sequence, head) in kda_decode_batch
+DECODE_BATCH_BLOCKS_PER_SM = 2  # kda_decode_batch blocks an SM holds (its __launch_bounds__)
+DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
@@ -46,8 +51,11 @@ def compile_defines() -> tuple[str, ...]:
               "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
-              "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_BATCH_SPLIT": DECODE_BATCH_SPLIT,
+              "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM,
+              "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
+              "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
+              "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
+              "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -123,6 +131,13 @@ class Glm5NextKdaKernels:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
+    @staticmethod
+    def _slab_cfg(rows: int, tiles: int) -> LaunchConfig:
+        """A batch GEMV's launch: a block per `tiles` tiles of the rows (the K shares are walked
+        by each warp in turn)."""
+        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles), 1, 1),
+                            (32 * GEMV_WARPS, 1, 1))
+
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
@@ -130,7 +145,8 @@ class Glm5NextKdaKernels:
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         for suffix, m0, rows in self._gemv_slabs(m):
-            self._launch("gemv", f"dense_gemv_bf16{suffix}", self._gemv_cfg(n, ks),
+            cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE) if suffix else self._gemv_cfg(n, ks)
+            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg,
                          (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
                           i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
 
@@ -153,6 +169,19 @@ class Glm5NextKdaKernels:
         cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
 
+    @functools.cached_property
+    def _front_end_batch_plan(self) -> tuple[LaunchConfig, tuple]:
+        """front_end_gemv_batch's launch shape and arguments: front_end_gemv's shares (a row's
+        sums follow them, so its bits are decode's) and the blocks of GEMV_SLAB_TILES tiles of
+        each region: f_a|g_a|b, q|k|v, f_b|g_b and beta's."""
+        c = self.cfg
+        _, (ks, ks_early, ks_gate, _, _) = self._front_end_plan
+        early_blocks = self._slab_cfg(c.gate_in_rows, GEMV_SLAB_TILES).grid[0]
+        proj_blocks = early_blocks + self._slab_cfg(c.conv_dim, GEMV_SLAB_TILES).grid[0]
+        gate_blocks = self._slab_cfg(2 * c.qkv, GEMV_SLAB_TILES).grid[0] + 1
+        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
+        return cfg, (ks, ks_early, ks_gate, i32(early_blocks), i32(proj_blocks))
+
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
@@ -165,8 +194,8 @@ class Glm5NextKdaKernels:
         orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        cfg, shares = self._front_end_plan
         for suffix, m0, rows in self._gemv_slabs(m):
+            cfg, shares = self._front_end_batch_plan if suffix else self._front_end_plan
             at = lambda ptr, width, size=BF16.itemsize: ptr + m0 * width * size  # noqa: E731
             f4 = F32.itemsize
             self._launch("gemv", f"front_end_gemv{suffix}", cfg,
@@ -252,19 +281,29 @@ class Glm5NextKdaKernels:
         on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
         conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
-        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row runs
-        kda_decode_rows' code, so a sequence's bits do not depend on its batch."""
+        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
+        kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
+        batch splits each head's state rows over more blocks (`_batch_split`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        cfg = LaunchConfig((c.num_heads, DECODE_BATCH_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        cfg = LaunchConfig((c.num_heads, self._batch_split(nseq), nseq), (2 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
                       sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
                       i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    def _batch_split(self, nseq: int) -> int:
+        """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
+        while the launch would not fill the SMs once, so a small batch's state still streams
+        through every SM (a state row's update does not depend on the block that owns it)."""
+        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_BLOCKS_PER_SM
+        while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
+            split *= 2
+        return split
 
     @staticmethod
     def _rows_check(name: str, nrows: int, nsnap: int) -> None:

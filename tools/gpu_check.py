@@ -4,7 +4,8 @@ decode and verify, and prefill benchmarks (with fla alongside where importable) 
 summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
-        [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
+        [--only decode|batch|varlen|prefill] [--preset NAME] [--batch 1,8,64]
+        [--mix 1x4096,32x128]
         [--tokens 1024,4096] [--no-fla]
         [--pytest-args "-k prefill"]
 
@@ -47,6 +48,8 @@ def main() -> int:
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
     ap.add_argument("--only", choices=("decode", "batch", "varlen", "prefill"),
                     help="one benchmark mode")
+    ap.add_argument("--preset", choices=("kimi-linear-48b", "glm-5.3-flash"),
+                    help="one preset (default: both, or kimi-linear-48b with --quick)")
     ap.add_argument("--mix", default="1x4096,8x512,32x128,128x32",
                     help="packed prefills (kimi-linear-48b), sequences x tokens, comma-separated")
     ap.add_argument("--batch", default="1,8,32,64,128,256",
@@ -71,7 +74,8 @@ def main() -> int:
         report["ceilings"] = vars(ceil)
         use_fla = not args.no_fla and bench.fla_available()
         report["fla"] = use_fla
-        presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "glm-5.3-flash"]
+        presets = ([args.preset] if args.preset else ["kimi-linear-48b"] if args.quick
+                   else ["kimi-linear-48b", "glm-5.3-flash"])
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
