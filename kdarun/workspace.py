@@ -19,6 +19,7 @@ from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
+from .kernels import SEG_FIELDS
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -107,6 +108,10 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", _chunk_blocks(lambda c: (CHUNK, CHUNK)), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis, walk image",
                "in-chunk decayed q.k products, causal"),
+    BufferSpec("segments", lambda c, t, tp: (tp // CHUNK * (SEG_FIELDS + 1),), I32, False,
+               "[segments, SEG_FIELDS] int32, then checkpoint slots",
+               "packed prefill: a window's segment table (kernels_cu/segments.cuh); a segment "
+               "and a checkpoint take at least a chunk each"),
     BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
                "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "
                "(the last gate block resets them)", poison=False),
