@@ -18,7 +18,7 @@ from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .kernels import Glm5NextKdaKernels
+from .kernels import Glm5NextKdaKernels, Segment, SegmentTable, segment_table
 from .layer import Glm5NextKdaLayer, Step, prefill_packed
 from .loader import release_bound
 from .pool import KdaStatePool
@@ -108,13 +108,15 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     return s
 
 
-def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int
+def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int,
+                 pad_rows: int | None = None
                  ) -> tuple[Glm5NextKdaLayer, Glm5NextKdaWorkspace, KdaSeqState, DevicePtr]:
-    """One layer on random weights, a workspace for `rows` tokens, a random state and `rows`
-    random hidden rows [rows, hidden] bf16 on the device: the prefill benchmark's set-up, which
-    the profiling tools share so that their figures describe the same run."""
+    """One layer on random weights, a workspace for `rows` tokens (and `pad_rows` padded rows),
+    a random state and `rows` random hidden rows [rows, hidden] bf16 on the device: the prefill
+    benchmark's set-up, which the profiling tools share so that their figures describe the
+    same run."""
     (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, rows)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, rows, pad_rows)
     state = random_state(gpu, cfg, np.random.default_rng(6), stream)
     h = gpu.upload(random_hidden(rows, cfg.hidden_size, 7), stream)
     return layer, ws, state, h
@@ -316,6 +318,7 @@ class VarlenResult:
     ms_checkpoints: float  # the same with the state checkpointed every CHECKPOINT_EVERY tokens
     one_ms: float  # one prefill of as many tokens in one sequence, in the same run
     fla_ms: float | None = None  # fla's layer over the mix, by cu_seqlens
+    steps_ms: dict[str, float] | None = None  # each step of the packed table, in the layer
 
 
 CHECKPOINT_EVERY = 256
@@ -336,10 +339,12 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                  gate: str = "bounded", fla: bool = False, reps: int = 10) -> list[VarlenResult]:
     """Packed prefill of each (sequences, tokens each) of `mix`, from zero states, with and
     without checkpoints, beside one prefill of as many tokens (and fla's layer over the same
-    pack with cu_seqlens), timed in turn rep by rep."""
+    pack with cu_seqlens), timed in turn rep by rep. The workspace holds every mix's padded
+    chunks, so each pack runs in one window."""
     cfg = synthetic.preset_config(preset, gate)
     total = max(n * t for n, t in mix)
-    layer, ws, state, h = random_layer(gpu, cfg, total, stream)
+    layer, ws, state, h = random_layer(gpu, cfg, total, stream,
+                                       max(n * cfg.t_pad(t) for n, t in mix))
     out = gpu.alloc(total * cfg.hidden_size * BF16.itemsize)
     results = []
     for n, t in mix:
@@ -359,7 +364,13 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
         if fla:
             timers.append(_fla_varlen_timer(cfg, n, t))
         ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
-        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one, *fla_ms))
+        # the packed table step by step (the pack is one window of this workspace)
+        table, t_pad = segment_table([Segment(i * t, t, i, False) for i in range(n)], 0)
+        gpu.copy_h2d(ws.ptr("segments"), table, stream)
+        steps = layer.packed_steps(h, n * t, pool, ws, SegmentTable(ws.ptr("segments"), n, t_pad))
+        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one,
+                                    fla_ms[0] if fla_ms else None,
+                                    step_medians(gpu, steps, stream, reps, 3)))
         pool.free()
     gpu.free(out)
     _release(gpu, [layer], [state], ws, h)

@@ -11,7 +11,8 @@ from kdarun import DevicePtr
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
-from ..helpers import assert_batch_matches_single, assert_packed_matches_alone, bits
+from ..helpers import (E2E_TOL, STATE_TOL, Env, assert_batch_matches_single,
+                       assert_packed_matches_alone, bits)
 
 
 @pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
@@ -111,14 +112,34 @@ def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
                 assert np.array_equal(bits(a), bits(b)), (capture, s)
 
 
+# cuBLAS may round a row of a GEMM over the pack's rows otherwise than over one sequence's;
+# given the same GEMM outputs the rest is exact (assert_packed_matches_alone checks both).
+PACK_OUT_TOL, PACK_STATE_TOL = E2E_TOL, STATE_TOL
+
+
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
 def test_prefill_packed_equals_each_prefill(pair, initial):
     cu, _ = pair
-    assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000], [initial, not initial, initial, True,
-                                                            initial], seed=500)
+    diff = assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000],
+                                       [initial, not initial, initial, True, initial], seed=500,
+                                       gemm_exact=False, out_tol=PACK_OUT_TOL,
+                                       state_tol=PACK_STATE_TOL)
+    print(f"packed vs alone, rel: {diff}")
 
 
 def test_prefill_packed_checkpoints_equal_prefix_prefills(pair):
     cu, _ = pair
-    assert_packed_matches_alone(cu, [1000, 256, 300], [True, False, True], seed=510,
-                                checkpoint_every=256, windows_exact=False)
+    diff = assert_packed_matches_alone(cu, [1000, 256, 300, 1], [True, False, True, False],
+                                       seed=510, checkpoint_every=256, gemm_exact=False,
+                                       out_tol=PACK_OUT_TOL, state_tol=PACK_STATE_TOL)
+    print(f"packed with checkpoints vs alone, rel: {diff}")
+
+
+def test_prefill_packed_in_windows(cuda, gpu_ckpts):
+    """A pack past the workspace runs in windows, a long sequence in pieces through its slot."""
+    env = Env(cuda, gpu_ckpts["d128"], 256)
+    diff = assert_packed_matches_alone(env, [1, 63, 300, 65, 200], [False, True, True, False,
+                                                                    True], seed=520,
+                                       gemm_exact=False, out_tol=PACK_OUT_TOL,
+                                       state_tol=PACK_STATE_TOL)
+    print(f"packed in windows vs alone, rel: {diff}")
