@@ -18,7 +18,7 @@ from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .kernels import Glm5NextKdaKernels, Segment, SegmentTable, segment_table
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .layer import Glm5NextKdaLayer, Step, prefill_packed
 from .loader import release_bound
 from .pool import KdaStatePool
@@ -365,7 +365,8 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
             timers.append(_fla_varlen_timer(cfg, n, t))
         ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
         # the packed table step by step (the pack is one window of this workspace)
-        table, t_pad = segment_table([Segment(i * t, t, i, False) for i in range(n)], 0)
+        table, t_pad = segment_table(np.arange(n) * t, np.full(n, t), np.arange(n),
+                                     np.zeros(n, bool), 0)
         gpu.copy_h2d(ws.ptr("segments"), table, stream)
         steps = layer.packed_steps(h, n * t, pool, ws, SegmentTable(ws.ptr("segments"), n, t_pad))
         results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one,

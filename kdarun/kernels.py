@@ -82,17 +82,6 @@ def _cfg1d(n: int) -> LaunchConfig:
     return LaunchConfig((_blocks(n), 1, 1), (THREADS, 1, 1))
 
 
-class Segment(NamedTuple):
-    """One segment of a packed prefill: `rows` tokens at packed row `row0`, its state in pool
-    slot `slot` (read first when `init`), and the slots receiving the state after each
-    `every` chunks (-1: skipped; one for each whole `every` chunks of its rows)."""
-    row0: int
-    rows: int
-    slot: int
-    init: bool
-    checkpoints: Sequence[int] = ()
-
-
 class SegmentTable(NamedTuple):
     """A segment table on the device (`segment_table`'s array): `count` segments over
     `t_pad` padded rows."""
@@ -101,20 +90,26 @@ class SegmentTable(NamedTuple):
     t_pad: int
 
 
-def segment_table(segments: Sequence[Segment], every: int) -> tuple[np.ndarray, int]:
-    """The int32 table kernels_cu/segments.cuh reads, and the padded rows it spans: segment i
-    takes the next ceil(rows / CHUNK) chunks; `every` is the checkpoint spacing in chunks (0:
-    none). Rows {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints."""
-    rows, slots, chunk0 = [], [], 0
-    at = len(segments) * SEG_FIELDS
-    for sg in segments:
-        chunks = -(-sg.rows // CHUNK)
-        rows.append((chunk0, chunks, sg.row0, sg.rows, sg.slot, int(sg.init),
-                     every if sg.checkpoints else 0, at + len(slots)))
-        slots += sg.checkpoints
-        chunk0 += chunks
-    table = np.concatenate([np.array(rows, np.int32).reshape(-1), np.array(slots, np.int32)])
-    return table.astype(np.int32), chunk0 * CHUNK
+def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np.ndarray,
+                  every: int, checkpoints: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The int32 table kernels_cu/segments.cuh reads, and the padded rows it spans, for
+    segments given as arrays of one entry each: `rows` tokens at packed row `row0`, the state in
+    pool slot `slot`, read first where `init`. Segment i takes the next ceil(rows / CHUNK)
+    chunks. With every > 0 (chunks), each segment's state after every `every` whole chunks goes
+    to the next of `checkpoints` (the segments' slots one after another, -1 skipped). Rows
+    {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints. NumPy over
+    the segments: a pack of many short sequences is planned in microseconds."""
+    rows = np.asarray(rows, np.int64)
+    chunks = -(-rows // CHUNK)
+    chunk0 = np.cumsum(chunks) - chunks
+    per = rows // (every * CHUNK) if every else np.zeros_like(rows)
+    ckpt = len(rows) * SEG_FIELDS + np.cumsum(per) - per
+    table = np.stack([chunk0, chunks, row0, rows, slot, np.asarray(init, np.int64),
+                      np.where(per > 0, every, 0), ckpt], axis=1)
+    ck = np.zeros(0, np.int64) if checkpoints is None else np.asarray(checkpoints, np.int64)
+    if len(ck) != per.sum():
+        raise KdaError(f"segment_table: {per.sum()} checkpoint slots wanted, got {len(ck)}")
+    return np.concatenate([table.reshape(-1), ck]).astype(np.int32), int(chunks.sum()) * CHUNK
 
 
 class Glm5NextKdaKernels:

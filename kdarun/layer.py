@@ -21,7 +21,7 @@ from .backend import DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
-from .kernels import Glm5NextKdaKernels, Segment, SegmentTable, segment_table
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
@@ -403,40 +403,50 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
-    # a piece of a sequence starts at a multiple of `step`, so its chunks and checkpoints are
-    # those of the whole sequence
+    # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
+    # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
+    # sequence; a piece after the first starts from the state its predecessor left in the slot.
     step = checkpoint_every or min(CHUNK, ws.max_tokens())
     piece = ws.max_tokens() // step * step
-    window: list[Segment] = []  # the segments of the window being gathered
-    start = rows = padded = 0  # the window's first packed row, its rows and padded rows
-    for i, (first, length) in enumerate(zip(bounds, lengths)):
-        for p0 in range(0, length, piece):
-            n = min(piece, length - p0)
-            n_pad = -(-n // CHUNK) * CHUNK
-            if window and (rows + n > ws.max_tokens() or padded + n_pad > ws.t_pad()
-                           or window[-1].slot == slots[i]):
-                _run_packed(layer, gpu, hidden, start, rows, window, pool, ws, out, stream,
-                            checkpoint_every)
-                window, rows, padded = [], 0, 0
-            if not window:
-                start = first + p0
-            ck = (checkpoint_slots[i][p0 // checkpoint_every:(p0 + n) // checkpoint_every]
-                  if checkpoint_every else ())
-            window.append(Segment(first + p0 - start, n, slots[i],
-                                  bool(has_initial_state[i]) or p0 > 0, tuple(ck)))
-            rows, padded = rows + n, padded + n_pad
-    _run_packed(layer, gpu, hidden, start, rows, window, pool, ws, out, stream, checkpoint_every)
+    length = np.asarray(lengths, np.int64)
+    count = -(-length // piece)
+    seq = np.repeat(np.arange(n_seq), count)
+    p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
+    p_rows = np.minimum(piece, length[seq] - p0)
+    p_row0 = np.asarray(bounds[:-1], np.int64)[seq] + p0
+    p_slot = np.asarray(slots, np.int64)[seq]
+    p_init = np.asarray(has_initial_state, bool)[seq] | (p0 > 0)
+    every = checkpoint_every // CHUNK
+    ck = (np.concatenate([np.asarray(c, np.int64) for c in checkpoint_slots])
+          if checkpoint_every else None)
+    ck_at = np.concatenate([[0], np.cumsum(p_rows // checkpoint_every)]) if ck is not None \
+        else None
+    # Windows: runs of pieces within max_tokens rows and the workspace's padded rows, a
+    # sequence's next piece always in the next window
+    cum_rows = np.concatenate([[0], np.cumsum(p_rows)])
+    cum_pad = np.concatenate([[0], np.cumsum(-(-p_rows // CHUNK) * CHUNK)])
+    later = np.flatnonzero(p0 > 0)
+    k, n_pieces = 0, len(seq)
+    while k < n_pieces:
+        end = int(min(np.searchsorted(cum_rows, cum_rows[k] + ws.max_tokens(), "right") - 1,
+                      np.searchsorted(cum_pad, cum_pad[k] + ws.t_pad(), "right") - 1,
+                      *later[np.searchsorted(later, k, "right"):][:1], n_pieces))
+        w = slice(k, end)
+        table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
+                                     every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
+        _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
+                    table, end - k, t_pad, pool, ws, out, stream)
+        k = end
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,
-                rows: int, window: Sequence[Segment], pool: KdaStatePool,
-                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int,
-                checkpoint_every: int) -> None:
+                rows: int, table: np.ndarray, nseg: int, t_pad: int, pool: KdaStatePool,
+                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int) -> None:
     """One window of a packed prefill: packed rows [start, start + rows) of hidden holding the
-    segments `window` (row0 relative to start); their final_out rows go to out's."""
-    table, t_pad = segment_table(window, checkpoint_every // CHUNK)
+    nseg segments of `table` (kernels.segment_table, rows from start) over t_pad padded rows;
+    their final_out rows go to out's."""
     gpu.copy_h2d(ws.ptr("segments"), table, stream)
-    segs = SegmentTable(ws.ptr("segments"), len(window), t_pad)
+    segs = SegmentTable(ws.ptr("segments"), nseg, t_pad)
     row = layer.cfg.hidden_size * BF16.itemsize
     layer.run_steps(gpu, layer.packed_steps(hidden + start * row, rows, pool, ws, segs), rows,
                     None, ws, stream)
