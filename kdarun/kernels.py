@@ -338,17 +338,20 @@ class Glm5NextKdaKernels:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
         [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state on warpgroup
-        MMAs (sm_90a). With `segs` a block walks one segment's chunks, state [slots, H, Dv,
-        Dk] at its slot (zero without initial state) and its checkpoints' slots, and writes
-        its core rows at its packed rows."""
+        MMAs (sm_90a). With `segs` each segment walks its chunks from state [slots, H, Dv, Dk]
+        at its slot (zero without initial state), writes the state back there and to its
+        checkpoints' slots, and its core rows at its packed rows."""
         if not self.gpu.has_wgmma:
             raise KdaError(f"kda_chunk_inter: the chunked walk runs on warpgroup MMAs, which "
                            f"{self.gpu.device_name} lacks (needs compute capability 9.0)")
         c = self.cfg
         D, H = c.head_dim, c.num_heads
         table, n, _ = self._segments(t, segs)
+        # segments share a block's walk in turn: as many blocks as one wave holds (a block an
+        # SM), each a stream of chunks, where more would wait for a second wave
+        z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
         self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((H, D // WALK_ROWS, n), (WALK_THREADS, 1, 1)),
+                     LaunchConfig((H, D // WALK_ROWS, z), (WALK_THREADS, 1, 1)),
                      (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------
