@@ -361,9 +361,10 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                   lambda: time_once(gpu, lambda: packed(CHECKPOINT_EVERY), stream),
                   lambda: time_once(gpu, lambda: layer.prefill(gpu, h, n * t, state, ws, stream),
                                     stream)]
-        if fla:
-            timers.append(_fla_varlen_timer(cfg, n, t))
-        ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
+        ms, ms_ck, one = medians_in_turn(timers, reps, 2)
+        # fla in turns of its own: a kdarun call right after fla's took ~0.25 ms more
+        # (docs/perf-log.md, packed prefill on segments)
+        fla_ms = medians_in_turn([_fla_varlen_timer(cfg, n, t)], reps, 2) if fla else []
         # the packed table step by step (the pack is one window of this workspace)
         table, t_pad = segment_table(np.arange(n) * t, np.full(n, t), np.arange(n),
                                      np.zeros(n, bool), 0)

@@ -571,12 +571,15 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
             Cursor ahead{(int)blockIdx.z, 0, segment_at(segs, blockIdx.z, T)}, behind = ahead;
             auto load_next = [&](int wc) {  // w, qg, u, gl of the block's chunk wc: buffer wc % 2
                 const int b = wc & 1;
+                const bool fresh = ahead.ci == 0 && !ahead.sg.init;  // w, qg unread (below)
                 const u64 blk = (u64)next_chunk(ahead) * H + h;
-                mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
-                bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D, L::WQ_BYTES,
-                          bars + b);
-                bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D, L::WQ_BYTES,
-                          bars + b);
+                mbar_expect(bars + b, (fresh ? 0 : 2 * L::WQ_BYTES) + L::U_BYTES + L::GL_BYTES);
+                if (!fresh) {
+                    bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D,
+                              L::WQ_BYTES, bars + b);
+                    bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D,
+                              L::WQ_BYTES, bars + b);
+                }
                 const float* u_slice = u_in + (blk * (D / WALK_ROWS) + blockIdx.y) * CHUNK * WALK_ROWS;
                 bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
                 bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
@@ -635,14 +638,19 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
             float P[CHUNK / 2], O[CHUNK / 2];
 #pragma unroll
             for (int i = 0; i < CHUNK / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
-            wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
-            wgmma_fence();
-            wg3<CHUNK, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
-            wgmma_commit();
-            wg3<CHUNK, D>(O, Sh, Sl, operand_desc<CHUNK>(smb + L::Q_OFF + b * L::WQ_BYTES));
-            wgmma_commit();
-            wgmma_wait<1>();  // W^T is in; O^T's first term may still run
-            wgmma_pin(P);
+            // A zero-state segment's first chunk has S = 0: W^T and O^T's first term are sums
+            // of zero products, +0 exactly, which P and O already hold; neither they nor their
+            // operands w and qg (never copied) are needed.
+            if (ci > 0 || sg.init) {
+                wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
+                wgmma_fence();
+                wg3<CHUNK, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
+                wgmma_commit();
+                wg3<CHUNK, D>(O, Sh, Sl, operand_desc<CHUNK>(smb + L::Q_OFF + b * L::WQ_BYTES));
+                wgmma_commit();
+                wgmma_wait<1>();  // W^T is in; O^T's first term may still run
+                wgmma_pin(P);
+            }
             PHASE(9);
 
             // v^T = u^T - W^T, its fragments; the decay on S
