@@ -114,7 +114,7 @@ def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
 # cuBLAS may round a row of a GEMM over the pack's rows otherwise than over one sequence's;
 # given the same GEMM outputs the rest is exact (assert_packed_matches_alone checks both).
 # Measured on the H200: the tiny presets bit-identical, the D = 128 stack (hidden 1000) up to
-# 2.9e-3 (final_out) and 9.5e-4 (state); about twice that:
+# 2.9e-3 (final_out) and 1.2e-3 (state, 60 sequences); about twice and 1.6x that:
 PACK_OUT_TOL, PACK_STATE_TOL = 6e-3, 2e-3
 
 
