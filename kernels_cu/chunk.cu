@@ -609,7 +609,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             *reinterpret_cast<float2*>(st + 8 * j) = make_float2(x[4 * j], x[4 * j + 1]);
-            *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(x[4 * j + 2], x[4 * j + 3]);
+            *reinterpret_cast<float2*>(st + 8 * D + 8 * j) =
+                make_float2(x[4 * j + 2], x[4 * j + 3]);
         }
     };
     const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CHUNK>(smb + L::A_OFF);
@@ -694,7 +695,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                 for (int i = 0; i < 4; ++i) {
                     const int t = c0 + 8 * j + 2 * t4 + (i & 1);
                     if (t < sg.rows)
-                        core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i];
+                        core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] =
+                            O[4 * j + i];
                 }
             // a checkpoint after every `every` whole chunks: the state of that prefix alone
             if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
@@ -708,9 +710,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 }
 
 // The intra kernel's T_pad is not read (the grid carries the chunk count); it keeps the launch's
-// arguments those of the host twin, which loops over it. Each kernel's dynamic shared memory is exported
-// as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout structs
-// above are its only definition.
+// arguments those of the host twin, which loops over it. Each kernel's dynamic shared memory is
+// exported as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout
+// structs above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \

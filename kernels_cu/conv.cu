@@ -178,7 +178,8 @@ extern "C" __global__ void conv_roll_state(const bf16* __restrict__ x, bf16* __r
         if (slot < 0) continue;
         const int end = (k + 1) * sg.every * CHUNK;
         for (int j = 0; j < W - 1; ++j)
-            state[slot * slot_elems + (u64)j * conv_dim + c] = x[(u64)(end - (W - 1) + j) * conv_dim + c];
+            state[slot * slot_elems + (u64)j * conv_dim + c] =
+                x[(u64)(end - (W - 1) + j) * conv_dim + c];
     }
     state += sg.slot * slot_elems;
     for (int j = 0; j < W - 1; ++j) {

@@ -191,7 +191,7 @@ def assert_batch_matches_single(env: Env, B: int, K: int, seed: int, pad: int = 
     pool.free()
 
 
-GEMM_INPUTS = ("qkv_proj", "gate_in", "g_raw", "out_gate")  # what prefill's GEMMs before the core write
+GEMM_INPUTS = ("qkv_proj", "gate_in", "g_raw", "out_gate")  # the GEMMs' outputs the core reads
 
 
 def assert_packed_matches_alone(env: Env, lengths: list[int], initial: list[bool], seed: int,
