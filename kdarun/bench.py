@@ -18,7 +18,7 @@ from .backend import DevicePtr, GpuBackend
 from .checkpoint import canonical, shard_tensors
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .kernels import Glm5NextKdaKernels
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .layer import Glm5NextKdaLayer, Step, prefill_packed
 from .loader import release_bound
 from .pool import KdaStatePool
@@ -109,13 +109,15 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     return s
 
 
-def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int
+def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int,
+                 pad_rows: int | None = None
                  ) -> tuple[Glm5NextKdaLayer, Glm5NextKdaWorkspace, KdaSeqState, DevicePtr]:
-    """One layer on random weights, a workspace for `rows` tokens, a random state and `rows`
-    random hidden rows [rows, hidden] bf16 on the device: the prefill benchmark's set-up, which
-    the profiling tools share so that their figures describe the same run."""
+    """One layer on random weights, a workspace for `rows` tokens (and `pad_rows` padded rows),
+    a random state and `rows` random hidden rows [rows, hidden] bf16 on the device: the prefill
+    benchmark's set-up, which the profiling tools share so that their figures describe the
+    same run."""
     (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, rows)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, rows, pad_rows)
     state = random_state(gpu, cfg, np.random.default_rng(6), stream)
     h = gpu.upload(random_hidden(rows, cfg.hidden_size, 7), stream)
     return layer, ws, state, h
@@ -400,6 +402,7 @@ class VarlenResult:
     ms_checkpoints: float  # the same with the state checkpointed every CHECKPOINT_EVERY tokens
     one_ms: float  # one prefill of as many tokens in one sequence, in the same run
     fla_ms: float | None = None  # fla's layer over the mix, by cu_seqlens
+    steps_ms: dict[str, float] | None = None  # each step of the packed table, in the layer
 
 
 CHECKPOINT_EVERY = 256
@@ -420,10 +423,12 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                  gate: str = "bounded", fla: bool = False, reps: int = 10) -> list[VarlenResult]:
     """Packed prefill of each (sequences, tokens each) of `mix`, from zero states, with and
     without checkpoints, beside one prefill of as many tokens (and fla's layer over the same
-    pack with cu_seqlens), timed in turn rep by rep."""
+    pack with cu_seqlens), timed in turn rep by rep. The workspace holds every mix's padded
+    chunks, so each pack runs in one window."""
     cfg = synthetic.preset_config(preset, gate)
     total = max(n * t for n, t in mix)
-    layer, ws, state, h = random_layer(gpu, cfg, total, stream)
+    layer, ws, state, h = random_layer(gpu, cfg, total, stream,
+                                       max(n * cfg.t_pad(t) for n, t in mix))
     out = gpu.alloc(total * cfg.hidden_size * BF16.itemsize)
     results = []
     for n, t in mix:
@@ -440,10 +445,18 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                   lambda: time_once(gpu, lambda: packed(CHECKPOINT_EVERY), stream),
                   lambda: time_once(gpu, lambda: layer.prefill(gpu, h, n * t, state, ws, stream),
                                     stream)]
-        if fla:
-            timers.append(_fla_varlen_timer(cfg, n, t))
-        ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
-        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one, *fla_ms))
+        ms, ms_ck, one = medians_in_turn(timers, reps, 2)
+        # fla in turns of its own: a kdarun call right after fla's took ~0.25 ms more
+        # (docs/perf-log.md, packed prefill on segments)
+        fla_ms = medians_in_turn([_fla_varlen_timer(cfg, n, t)], reps, 2) if fla else []
+        # the packed table step by step (the pack is one window of this workspace)
+        table, t_pad = segment_table(np.arange(n) * t, np.full(n, t), np.arange(n),
+                                     np.zeros(n, bool), 0)
+        gpu.copy_h2d(ws.ptr("segments"), table, stream)
+        steps = layer.packed_steps(h, n * t, pool, ws, SegmentTable(ws.ptr("segments"), n, t_pad))
+        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one,
+                                    fla_ms[0] if fla_ms else None,
+                                    step_medians(gpu, steps, stream, reps, 3)))
         pool.free()
     gpu.free(out)
     _release(gpu, [layer], [state], ws, h)

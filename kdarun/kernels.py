@@ -8,6 +8,8 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Sequence
+
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
@@ -39,6 +41,7 @@ CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
+SEG_FIELDS = 8  # int32 fields of a segment table row (kernels_cu/segments.cuh)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
@@ -56,7 +59,8 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
               "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
-              "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS}
+              "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
+              "SEG_FIELDS": SEG_FIELDS}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
 
@@ -84,6 +88,36 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
 
 def _cfg1d(n: int) -> LaunchConfig:
     return LaunchConfig((_blocks(n), 1, 1), (THREADS, 1, 1))
+
+
+class SegmentTable(NamedTuple):
+    """A segment table on the device (`segment_table`'s array): `count` segments over
+    `t_pad` padded rows."""
+    ptr: DevicePtr
+    count: int
+    t_pad: int
+
+
+def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np.ndarray,
+                  every: int, checkpoints: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The int32 table kernels_cu/segments.cuh reads, and the padded rows it spans, for
+    segments given as arrays of one entry each: `rows` tokens at packed row `row0`, the state in
+    pool slot `slot`, read first where `init`. Segment i takes the next ceil(rows / CHUNK)
+    chunks. With every > 0 (chunks), each segment's state after every `every` whole chunks goes
+    to the next of `checkpoints` (the segments' slots one after another, -1 skipped). Rows
+    {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints. NumPy over
+    the segments: a pack of many short sequences is planned in microseconds."""
+    rows = np.asarray(rows, np.int64)
+    chunks = -(-rows // CHUNK)
+    chunk0 = np.cumsum(chunks) - chunks
+    per = rows // (every * CHUNK) if every else np.zeros_like(rows)
+    ckpt = len(rows) * SEG_FIELDS + np.cumsum(per) - per
+    table = np.stack([chunk0, chunks, row0, rows, slot, np.asarray(init, np.int64),
+                      np.where(per > 0, every, 0), ckpt], axis=1)
+    ck = np.zeros(0, np.int64) if checkpoints is None else np.asarray(checkpoints, np.int64)
+    if len(ck) != per.sum():
+        raise KdaError(f"segment_table: {per.sum()} checkpoint slots wanted, got {len(ck)}")
+    return np.concatenate([table.reshape(-1), ck]).astype(np.int32), int(chunks.sum()) * CHUNK
 
 
 class Glm5NextKdaKernels:
@@ -214,15 +248,21 @@ class Glm5NextKdaKernels:
         self.gpu.gemm_bf16(a, lda, w, c, ldc, m, n, k, stream)
 
     # -- element-wise ----------------------------------------------------------------------
+    @staticmethod
+    def _segments(t: int, segs: SegmentTable | None) -> tuple:
+        """A launch's (table, count, t_pad): a plain prefill's null table is one segment."""
+        return (NULL, 1, -(-t // CHUNK) * CHUNK) if segs is None else segs
+
     def kda_gate_beta(self, stream: int, g_raw: DevicePtr, b_raw: DevicePtr, ldb: int,
                       a_log: DevicePtr, dt_bias: DevicePtr, gate: DevicePtr, beta: DevicePtr,
-                      t: int, t_pad: int) -> None:
+                      t: int, segs: SegmentTable | None = None) -> None:
         """g_raw [t, qkv] bf16 -> gate [t_pad, H, D] fp32; b_raw (row stride ldb) ->
-        beta [t_pad, H]; rows >= t written as 0."""
+        beta [t_pad, H]; padded rows (past each segment's tokens) written as 0."""
         c = self.cfg
+        table, n, t_pad = self._segments(t, segs)
         self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv // 8),
-                     (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, i32(t), i32(t_pad),
-                      i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
+                     (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, table, i32(n), i32(t),
+                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
 
     # -- conv ------------------------------------------------------------------------------
     @property
@@ -233,20 +273,26 @@ class Glm5NextKdaKernels:
 
     def prefill_conv_qkv(self, stream: int, qkv_proj: DevicePtr, conv_state: DevicePtr,
                          conv_w: DevicePtr, qkv_parts: DevicePtr, conv_out: DevicePtr,
-                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float) -> None:
+                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float,
+                         segs: SegmentTable | None = None) -> None:
         """Prefill over t tokens of qkv_proj [t, conv_dim] (the projection's q|k|v): its copy
         qkv_parts [3, t, qkv], conv_out (conv + SiLU to bf16, then q/k L2 normalised to bf16
-        again) and its fp32 widening q/k/v [t_pad, qkv] with rows >= t set to pad_fill; then
-        the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
+        again) and its fp32 widening q/k/v [t_pad, qkv] with padded rows set to pad_fill; then
+        the conv state [W-1, conv_dim] rolls to the last W-1 input rows. With `segs`, each
+        segment convolves its own rows from its slot of conv_state [slots, W-1, conv_dim]
+        (or zeros), writes its state back there and its checkpoints' to their slots."""
         c = self.cfg
-        t_pad = c.t_pad(t)
+        table, n, t_pad = self._segments(t, segs)
         threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
         self._launch("conv", self.prefill_conv_name, _cfg1d(threads),
-                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, i32(t),
-                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
+                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, table, i32(n),
+                      i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
                       f32(pad_fill)), stream)
-        self._launch("conv", "conv_roll_state", _cfg1d(c.conv_dim),
-                     (qkv_proj, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
+        self._launch("conv", "conv_roll_state",
+                     LaunchConfig((_blocks(c.conv_dim), n, 1), (THREADS, 1, 1)),
+                     (qkv_proj, conv_state, table, i32(n), i32(t), i32(c.conv_dim),
+                      i32(c.conv_kernel)),
+                     stream)
 
     # -- core ------------------------------------------------------------------------------
     def kda_decode_rows(self, stream: int, x: DevicePtr, conv_state: DevicePtr,
@@ -327,19 +373,25 @@ class Glm5NextKdaKernels:
 
     def kda_chunk_inter(self, stream: int, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
                         w: DevicePtr, u: DevicePtr, aqk: DevicePtr, state: DevicePtr,
-                        core: DevicePtr, t: int) -> None:
+                        core: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
-        [t_pad, H, D] rows < t. A block carries WALK_ROWS rows of a head's state on warpgroup
-        MMAs (sm_90a)."""
+        [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state on warpgroup
+        MMAs (sm_90a). With `segs` each segment walks its chunks from state [slots, H, Dv, Dk]
+        at its slot (zero without initial state), writes the state back there and to its
+        checkpoints' slots, and its core rows at its packed rows."""
         if not self.gpu.has_wgmma:
             raise KdaError(f"kda_chunk_inter: the chunked walk runs on warpgroup MMAs, which "
                            f"{self.gpu.device_name} lacks (needs compute capability 9.0)")
         c = self.cfg
-        D, t_pad, H = c.head_dim, c.t_pad(t), c.num_heads
+        D, H = c.head_dim, c.num_heads
+        table, n, _ = self._segments(t, segs)
+        # segments share a block's walk in turn: as many blocks as one wave holds (a block an
+        # SM), each a stream of chunks, where more would wait for a second wave
+        z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
         self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((H, D // WALK_ROWS, 1), (WALK_THREADS, 1, 1)),
-                     (qg, kd, gl, w, u, aqk, state, core, i32(t), i32(t_pad), i32(H)), stream)
+                     LaunchConfig((H, D // WALK_ROWS, z), (WALK_THREADS, 1, 1)),
+                     (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,

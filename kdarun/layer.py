@@ -21,7 +21,7 @@ from .backend import DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
-from .kernels import Glm5NextKdaKernels
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
@@ -300,7 +300,23 @@ class Glm5NextKdaLayer:
         """One prefill over t tokens of hidden [t, hidden] bf16, step by step. q|k|v go
         straight into qkv_proj, where the conv reads them: a second GEMM for the few hundred
         gate_in columns re-reads hidden, but the conv copies no q|k|v."""
+        return self._prefill_steps(hidden, t, state.conv, state.recurrent, ws, pad_fill, None)
+
+    def packed_steps(self, hidden: DevicePtr, t: int, pool: KdaStatePool,
+                     ws: Glm5NextKdaWorkspace, segs: SegmentTable) -> list[Step]:
+        """prefill's steps over t packed rows of hidden [t, hidden] bf16 holding the segments
+        of the device table `segs` (kernels.segment_table), their states in `pool`: the GEMMs,
+        the norm and o_proj run over the t packed rows; gate_beta, the conv and the chunk
+        kernels over the segments' chunks, padded rows zero (exact no-ops of the WY form)."""
+        return self._prefill_steps(hidden, t, pool.conv, pool.recurrent, ws, 0.0, segs)
+
+    def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
+                       rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
+                       segs: SegmentTable | None) -> list[Step]:
         c, w, kn = self.cfg, self.weights, self.kernels
+        # a plain prefill's states are the caller's; a packed one's, the pool's slots
+        state_writes = (("state.conv",), ("state.recurrent",)) if segs is None else ((), ())
+        t_chunks = t if segs is None else segs.t_pad  # the intra kernel reads every padded row
         gate_in = ws.ptr("gate_in")
         f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize
                            for p in ("f_a", "g_a", "b"))
@@ -322,18 +338,18 @@ class Glm5NextKdaLayer:
                                         c.qkv, c.rank), gemm=True),
             Step("gate_beta", "kda_gate_beta", ("gate", "beta"),
                  lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                                            w.dt_bias, ws.gate, ws.beta, t, c.t_pad(t))),
+                                            w.dt_bias, ws.gate, ws.beta, t, segs)),
             Step("conv", f"{kn.prefill_conv_name}, conv_roll_state",
-                 ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", "state.conv"),
-                 lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, state.conv, w.conv_w,
+                 ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", *state_writes[0]),
+                 lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, conv_state, w.conv_w,
                                                ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32,
-                                               ws.v_f32, t, pad_fill)),
+                                               ws.v_f32, t, pad_fill, segs)),
             Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}",
                  tuple(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk")),
                  lambda s: kn.kda_chunk_intra(s, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta,
-                                              *chunk, t)),
-            Step("chunk_inter", f"kda_chunk_inter_d{c.head_dim}", ("core", "state.recurrent"),
-                 lambda s: kn.kda_chunk_inter(s, *chunk, state.recurrent, ws.core, t)),
+                                              *chunk, t_chunks)),
+            Step("chunk_inter", f"kda_chunk_inter_d{c.head_dim}", ("core", *state_writes[1]),
+                 lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
                  lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,
                                             t)),
@@ -383,8 +399,14 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     [T_total, hidden] bf16 at its own rows. With checkpoint_every = n (a multiple of CHUNK, at
     most the workspace's max_tokens) the state after each n tokens of sequence i goes to pool
     slot checkpoint_slots[i][j] (after (j+1) n tokens; -1 skips one), one slot for each whole
-    n tokens of it. Each sequence runs as its own prefill (windows of n tokens, or of
-    max_tokens), so its rows and states are those of `prefill` on it alone."""
+    n tokens of it. Slots no sequence names keep their bytes.
+
+    The sequences run together: each is a segment of its own chunks (kernels_cu/segments.cuh),
+    so the GEMMs, the norm and o_proj run once over the packed rows and one walk carries every
+    segment's state. A pack larger than the workspace runs in windows of up to max_tokens
+    rows (and its padded chunks), a sequence longer than that in pieces carrying its state
+    through its slot. Each sequence's rows and states are those of `prefill` on it alone, bit
+    for bit, given the same GEMM outputs (a GEMM over more rows may round a row differently)."""
     n_seq = len(slots)
     bounds = [int(c) for c in cu_seqlens]
     if len(bounds) != n_seq + 1 or len(has_initial_state) != n_seq or n_seq < 1:
@@ -396,7 +418,6 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                        f"sequence, got {bounds}")
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
-    window = ws.max_tokens()
     if checkpoint_every:
         if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
@@ -407,16 +428,51 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
-        window = checkpoint_every
+    # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
+    # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
+    # sequence; a piece after the first starts from the state its predecessor left in the slot.
+    step = checkpoint_every or min(CHUNK, ws.max_tokens())
+    piece = ws.max_tokens() // step * step
+    length = np.asarray(lengths, np.int64)
+    count = -(-length // piece)
+    seq = np.repeat(np.arange(n_seq), count)
+    p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
+    p_rows = np.minimum(piece, length[seq] - p0)
+    p_row0 = np.asarray(bounds[:-1], np.int64)[seq] + p0
+    p_slot = np.asarray(slots, np.int64)[seq]
+    p_init = np.asarray(has_initial_state, bool)[seq] | (p0 > 0)
+    every = checkpoint_every // CHUNK
+    ck = (np.concatenate([np.asarray(c, np.int64) for c in checkpoint_slots])
+          if checkpoint_every else None)
+    ck_at = np.concatenate([[0], np.cumsum(p_rows // checkpoint_every)]) if ck is not None \
+        else None
+    # Windows: runs of pieces within max_tokens rows and the workspace's padded rows, a
+    # sequence's next piece always in the next window
+    cum_rows = np.concatenate([[0], np.cumsum(p_rows)])
+    cum_pad = np.concatenate([[0], np.cumsum(-(-p_rows // CHUNK) * CHUNK)])
+    later = np.flatnonzero(p0 > 0)
+    k, n_pieces = 0, len(seq)
+    while k < n_pieces:
+        end = int(min(np.searchsorted(cum_rows, cum_rows[k] + ws.max_tokens(), "right") - 1,
+                      np.searchsorted(cum_pad, cum_pad[k] + ws.t_pad(), "right") - 1,
+                      *later[np.searchsorted(later, k, "right"):][:1], n_pieces))
+        w = slice(k, end)
+        table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
+                                     every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
+        _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
+                    table, end - k, t_pad, pool, ws, out, stream)
+        k = end
+
+
+def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,
+                rows: int, table: np.ndarray, nseg: int, t_pad: int, pool: KdaStatePool,
+                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int) -> None:
+    """One window of a packed prefill: packed rows [start, start + rows) of hidden holding the
+    nseg segments of `table` (kernels.segment_table, rows from start) over t_pad padded rows;
+    their final_out rows go to out's."""
+    gpu.copy_h2d(ws.ptr("segments"), table, stream)
+    segs = SegmentTable(ws.ptr("segments"), nseg, t_pad)
     row = layer.cfg.hidden_size * BF16.itemsize
-    for i, (start, length) in enumerate(zip(bounds, lengths)):
-        state = pool.state(slots[i])
-        if not has_initial_state[i]:
-            pool.zero([slots[i]], stream)
-        for w0 in range(0, length, window):
-            n = min(window, length - w0)
-            layer.prefill(gpu, hidden + (start + w0) * row, n, state, ws, stream)
-            gpu.copy_d2d(out + (start + w0) * row, ws.final_out, n * row, stream)
-            j = (w0 + n) // window - 1
-            if checkpoint_every and n == window and checkpoint_slots[i][j] >= 0:
-                pool.copy(slots[i], checkpoint_slots[i][j], stream)
+    layer.run_steps(gpu, layer.packed_steps(hidden + start * row, rows, pool, ws, segs), rows,
+                    None, ws, stream)
+    gpu.copy_d2d(out + start * row, ws.final_out, rows * row, stream)

@@ -119,14 +119,30 @@ def test_pool_slots_and_errors(env):
                                env.ws, 0)
 
 
+@pytest.fixture(scope="module")
+def wide(host, ckpts):
+    """A workspace that holds the packs below in one window."""
+    return Env(host, ckpts["bounded"], 1024)
+
+
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
-def test_prefill_packed_equals_each_prefill(env, initial):
-    lengths = [1, 63, 64, 65, 200]
-    assert_packed_matches_alone(env, lengths, [initial, not initial, initial, True, initial], seed=60)
+def test_prefill_packed_equals_each_prefill(wide, initial):
+    assert_packed_matches_alone(wide, [1, 63, 64, 65, 700],
+                                [initial, not initial, initial, True, initial], seed=60)
 
 
-def test_prefill_packed_checkpoints_equal_prefix_prefills(env):
-    assert_packed_matches_alone(env, [200, 64, 129], [True, False, True], seed=70, checkpoint_every=64)
+def test_prefill_packed_checkpoints_equal_prefix_prefills(wide):
+    assert_packed_matches_alone(wide, [200, 64, 129, 1], [True, False, True, False], seed=70,
+                                checkpoint_every=64)
+
+
+def test_prefill_packed_in_windows(env):
+    """A pack past the workspace (256 tokens) runs in windows, a sequence longer than one in
+    pieces through its slot: the same bits as each sequence alone."""
+    assert_packed_matches_alone(env, [1, 63, 300, 65, 200], [False, True, True, False, True],
+                                seed=75)
+    assert_packed_matches_alone(env, [300, 64, 129], [True, False, True], seed=76,
+                                checkpoint_every=128)
 
 
 def test_prefill_packed_refuses_bad_packs(env):
