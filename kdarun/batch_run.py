@@ -93,9 +93,9 @@ def run_batch(gpu: GpuBackend, stack: KdaStack, layer_idx: int, n: int, seed: in
         packed = gpu.upload(np.concatenate([r[:t] for r, t in zip(rows, lengths)]), stream)
         out = gpu.alloc(int(bounds[-1]) * cfg.hidden_size * BF16.itemsize)
         begin("prefill")
+        layer.stage_hook = recorder
         prefill_packed(layer, gpu, packed, bounds, slots, [False] * n, pool, ws, out, stream)
         states("prefill")
-        layer.stage_hook = recorder
         got = gpu.download(out, (int(bounds[-1]), cfg.hidden_size), BF16, stream)
         gpu.free(packed), gpu.free(out)
         for i in range(n):

@@ -43,9 +43,11 @@ class Step(NamedTuple):
 
 @dataclass(frozen=True)
 class SeqRows:
-    """Where each sequence of a batched call sits in the row buffers, as (start, stop) row
-    ranges: `rows` in the token buffers (`[T, ...]`, sequence-major), `padded` in the chunk
-    layout (`[T_pad, ...]`, where a packed prefill starts each sequence at its own chunk)."""
+    """Where each sequence of a batched call sits in the row buffers: sequence `ids[i]` (its
+    index in the caller's batch) has rows `rows[i]` = (start, stop) in the token buffers and
+    `padded[i]` in those numbered by chunks (`BufferSpec.padded`: a packed prefill starts
+    each sequence at its own chunk)."""
+    ids: tuple[int, ...]
     rows: tuple[tuple[int, int], ...]
     padded: tuple[tuple[int, int], ...]
 
@@ -53,14 +55,14 @@ class SeqRows:
     def uniform(b: int, k: int) -> "SeqRows":
         """b sequences of k rows each, one after the other in every buffer (batched decode)."""
         r = tuple((i * k, (i + 1) * k) for i in range(b))
-        return SeqRows(r, r)
+        return SeqRows(tuple(range(b)), r, r)
 
 
 @dataclass(frozen=True)
 class Stage:
     """One buffer as a step left it: `shape` rows at `ptr`, of which the first `valid_rows`
     (along axis `row_axis`) belong to the run; the rest is padding. In a batched call
-    `seq_rows` holds each sequence's (start, stop) rows along `row_axis`."""
+    sequence `seq_ids[i]` has rows `seq_rows[i]` = (start, stop) along `row_axis`."""
     name: str
     kernel: str
     ptr: DevicePtr
@@ -70,6 +72,7 @@ class Stage:
     row_axis: int = 0
     layout: str = ""  # the axes, row-major, e.g. "[T_pad, H, D]"
     seq_rows: tuple[tuple[int, int], ...] = ()
+    seq_ids: tuple[int, ...] = ()  # the sequences seq_rows belong to
 
 
 StageHook = Callable[[Stage, GpuBackend, int], None]
@@ -139,15 +142,16 @@ class Glm5NextKdaLayer:
         if not spec.public:
             return None
         shape, ptr = ws.shape(base, t), ws.ptr(base)
+        if seqs is not None and spec.padded:  # a packed call's chunks may pad each sequence
+            shape = spec.shape(cfg, t, max(stop for _, stop in seqs.padded))
         if row is not None:  # one row of a per-token buffer
             r = int(row)
             ptr += r * int(np.prod(shape[1:])) * spec.dtype.itemsize
             return Stage(name, kernel, ptr, (1,) + shape[1:], spec.dtype, 1, 0, spec.layout)
         axis = 1 if base == "qkv_parts" else 0
-        groups = () if seqs is None else (
-            seqs.padded if spec.layout.startswith("[T_pad") else seqs.rows)
+        groups = () if seqs is None else seqs.padded if spec.padded else seqs.rows
         return Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis,
-                     spec.layout, groups)
+                     spec.layout, groups, () if seqs is None else seqs.ids)
 
     # -- decode ----------------------------------------------------------------------------
     def _front_end_step(self, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace) -> Step:
@@ -459,20 +463,27 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         w = slice(k, end)
         table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
                                      every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
+        seqs = None
+        if layer.stage_hook is not None:  # each piece's rows, for the stage dumps
+            r0, p0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
+            seqs = SeqRows(tuple(int(i) for i in seq[w]),
+                           tuple((int(a), int(a + n)) for a, n in zip(r0, p_rows[w])),
+                           tuple((int(a), int(a + n)) for a, n in zip(p0, p_rows[w])))
         _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
-                    table, end - k, t_pad, pool, ws, out, stream)
+                    table, end - k, t_pad, pool, ws, out, stream, seqs)
         k = end
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,
                 rows: int, table: np.ndarray, nseg: int, t_pad: int, pool: KdaStatePool,
-                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int) -> None:
+                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int,
+                seqs: SeqRows | None) -> None:
     """One window of a packed prefill: packed rows [start, start + rows) of hidden holding the
     nseg segments of `table` (kernels.segment_table, rows from start) over t_pad padded rows;
-    their final_out rows go to out's."""
+    their final_out rows go to out's. `seqs`: where the stage hook finds each sequence."""
     gpu.copy_h2d(ws.ptr("segments"), table, stream)
     segs = SegmentTable(ws.ptr("segments"), nseg, t_pad)
     row = layer.cfg.hidden_size * BF16.itemsize
     layer.run_steps(gpu, layer.packed_steps(hidden + start * row, rows, pool, ws, segs), rows,
-                    None, ws, stream)
+                    None, ws, stream, seqs)
     gpu.copy_d2d(out + start * row, ws.final_out, rows * row, stream)

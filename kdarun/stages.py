@@ -80,10 +80,16 @@ class StageRecorder:
             self.record(f"{self.call}/{stage.name}", stage.kernel,
                         np.take(full, np.arange(stage.valid_rows), axis=stage.row_axis),
                         stage.row_axis, stage.layout)
-        for i, (start, stop) in enumerate(stage.seq_rows):
-            self.record(f"seq{i}.{self.call}/{stage.name}", stage.kernel,
-                        np.take(full, np.arange(start, stop), axis=stage.row_axis),
-                        stage.row_axis, stage.layout)
+        for i, (start, stop) in zip(stage.seq_ids, stage.seq_rows):
+            rows = np.take(full, np.arange(start, stop), axis=stage.row_axis)
+            key = f"seq{i}.{self.call}/{stage.name}"
+            if key not in self.arrays:
+                self.record(key, stage.kernel, rows, stage.row_axis, stage.layout)
+                continue
+            # a later piece of a sequence longer than a window: its rows follow, in place
+            whole = np.concatenate([self.arrays[key], rows], axis=stage.row_axis)
+            self.arrays[key] = whole
+            next(r for r in self.records if r.key == key).shape = list(whole.shape)
 
     def record(self, key: str, kernel: str, a: np.ndarray, row_axis: int, layout: str) -> None:
         """Keep `a` as stage `key` (`<call>/<buffer>`), in the order written."""

@@ -35,6 +35,7 @@ class BufferSpec:
     doc: str
     tol: float | None = None  # public buffers: the stages' tolerance (stages.STAGE_TOL)
     poison: bool = True  # False: kernels rely on its contents (kept zero between calls)
+    padded: bool = False  # rows numbered by chunks: a packed prefill's segments' padded rows
 
     def __post_init__(self) -> None:
         if self.public != (self.tol is not None):
@@ -67,14 +68,14 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("conv_out", _rows(lambda c: c.conv_dim), BF16, True, "[T, conv_dim] q|k|v",
                "after conv + SiLU, q|k L2-normalised", 8e-3),  # two roundings: <= 3.5e-3
     BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "q widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
+               "q widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
     BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "k widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
+               "k widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
     BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "v widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
-    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3),  # an fp32 map of bf16 inputs: <= 1.3e-3
+               "v widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
+    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3, padded=True),  # an fp32 map of bf16 inputs: <= 1.3e-3
     BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "[T_pad, H]",
-               "sigmoid(b_proj(h))", 2e-3),  # <= 4.7e-4
+               "sigmoid(b_proj(h))", 2e-3, padded=True),  # <= 4.7e-4
     BufferSpec("core", _heads, F32, True, "[T_pad, H, D]", "KDA core output, before o_norm", 1.5e-2),  # the end of the chain: <= 7.0e-3
     BufferSpec("g_raw", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]",
                "f_b(f_a(h)), the gate input", 6e-3),  # f_a, then g_raw rounded: <= 3.5e-3

@@ -158,7 +158,9 @@ def test_batch_dump_keys_every_sequence_apart(batch_dump):
     lengths = run["batch"]["lengths"]
     assert run["plan"] == {"prefill": 70, "decode_steps": 2, "k": 2} and len(lengths) == 3
     assert d.hidden.shape[0] == sum(lengths) + 3 * (2 + 2)
-    for i in range(3):
+    for i in range(3):  # the pack (1 + 63 + 64 rows) runs in windows of 70
+        assert d.tensors[f"seq{i}.prefill/core"].shape == (lengths[i], 4, 64)
+        assert d.tensors[f"seq{i}.prefill/q_f32"].shape == (lengths[i], 256)  # padded rows
         assert d.tensors[f"seq{i}.verify/core"].shape == (2, 4, 64)  # its k rows
         assert d.tensors[f"seq{i}.decode.1/qkv_parts"].shape[:2] == (3, 1)
         for call in ("prefill", "decode.0", "decode.1", "verify"):
@@ -167,8 +169,8 @@ def test_batch_dump_keys_every_sequence_apart(batch_dump):
     assert table.ok and len(table.rows) == len(d.keys)
 
 
-@pytest.mark.parametrize("key", ["seq1.verify/core", "seq2.decode.0/gate",
-                                 "seq0.decode.1/state.conv"])
+@pytest.mark.parametrize("key", ["seq2.prefill/k_f32", "seq1.verify/core",
+                                 "seq2.decode.0/gate", "seq0.decode.1/state.conv"])
 def test_planted_wrong_stage_of_one_sequence_is_the_first_failure(batch_dump, tmp_path, key):
     bad = _plant(batch_dump, tmp_path / "bad", key,
                  lambda a: (-a.astype(np.float32) - 1).astype(a.dtype))
