@@ -4,7 +4,8 @@
 //     (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)] by forward substitution, and precomputes
 //     everything elementwise the sequential walk needs: qg = q exp(G), kd = k exp(G_last - G),
 //     gl = exp(G_last). The walk then does no transcendental math at all.
-//   kda_chunk_inter_d{D}: per (head, 64-column slice of V) walks the chunks in order with its
+//   kda_chunk_inter_d{D}, the Hopper walk, built for sm_90a alone (kernels_cu/chunk_portable.cu
+//     has the walk every other GPU runs): per (head, 64-column slice of V) walks the chunks in order with its
 //     state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
 //     products run on warpgroup MMAs in 3xBF16 from operands the intra kernel already wrote as
 //     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
@@ -14,6 +15,7 @@
 // padded tail can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
+#include "chunk.cuh"
 #include "sm90.cuh"
 
 // tools/chunk_phases.py builds this file with -DKDA_CHUNK_PHASES: thread 0 of each block then
@@ -41,24 +43,6 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
     return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// ---- tensor-core products from split bf16 words (3xBF16) ------------------------------------
-// The chunk kernels' products take their operands as pairs along the product's k axis: for
-// (x0, x1) the words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders
-// x - hi, stored adjacent.
-// hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
-// ~1e-5, fp32-like for this core); the operands are split once, where they are produced, so
-// no inner loop converts anything.
-__device__ __forceinline__ uint2 split_pair(float x0, float x1) {
-    const unsigned hi = pack_bf16x2(x0, x1);
-    return make_uint2(hi, pack_bf16x2(x0 - __uint_as_float(hi << 16),
-                                      x1 - __uint_as_float(hi & 0xffff0000u)));
-}
-
-// A and B fragments of one 16x8x16 step, as hi and lo words.
-struct Frag {
-    unsigned hi[4], lo[4];
-};
-
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
 // axis, ld words a row, rows 16 bytes past a multiple of 128 so that the rows of each 8 x 8
 // tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
@@ -85,40 +69,6 @@ __device__ __forceinline__ Frag frag_bt(const unsigned* hi, const unsigned* lo, 
     return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
-// big + small += a b: the hi x hi products and the two correction terms accumulate apart
-// (shorter chains of dependent MMAs); the caller adds small into big at the end.
-__device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a, const Frag& b) {
-    mma_bf16(small, a.lo, b.hi);
-    mma_bf16(big, a.hi, b.hi);
-    mma_bf16(small, a.hi, b.lo);
-}
-
-// The operands the walk takes as B (qg, kd^T, Aqk; w below) are written as the image of the
-// shared memory its warpgroup MMAs read, so that one bulk copy stages a (chunk, head) block: N
-// rows of the product's n axis by K of its k axis in split words, a hi plane then a lo plane
-// of N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
-// K-major layout without swizzle: core matrices of 8 rows x 16 bytes (4 k-pairs), adjacent
-// along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_ROWS
-// columns, [C, WALK_ROWS] each, for the same reason.
-__host__ __device__ constexpr int img_word(int N, int n, int p) {
-    return 4 * N * (p >> 2) + 4 * n + (p & 3);
-}
-// Where u[t][v] sits in its slice: a walk thread reads tokens t, t + 2, t + 4, t + 6 in one load
-// (lanes four apart), which share banks in [C][WALK_ROWS] rows; v's octet is XORed with t's pair
-// index, so the four take distinct banks. The intra kernel's stores of a row stay 256 bytes.
-__host__ __device__ constexpr int u_word(int t, int v) {
-    return WALK_ROWS * t + (v ^ (8 * ((t >> 1) & 3)));
-}
-// w is the one operand whose image is MN-major: the solve produces it a column (dimension) at a
-// time, and 8 tokens of one are a 16-byte row of a core matrix (8 dimensions x 8 tokens), so a
-// thread stores 16 bytes a plane for 8 rows and a warp whole lines. Token octets are adjacent,
-// dimension octets 4 C words apart; w_word is the word holding tokens t, t ^ 1 of dimension d
-// in the hi plane, the lo plane C D / 2 words on.
-__host__ __device__ constexpr int w_word(int d, int t) {
-    return 4 * CHUNK * (d >> 3) + 32 * (t >> 3) + 4 * (d & 7) + ((t & 7) >> 1);
-}
-#define W_LBO (CHUNK * 16)  // bytes between dimension (k) octets
-#define W_SBO 128        // bytes between token (n) octets
 // Where the intra kernel parks k exp(G)[t][d] in a w block until the solve overwrites it: the
 // words w's rows of t's 16-row solve block take in its image (64-word runs: two token octets
 // in each dimension octet of a plane), row t's dimensions 64 to a run, so that the parking and
@@ -454,6 +404,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     }
 }
 
+// The Hopper walk's device code exists only where its warpgroup MMAs do (sm_90a builds); nvcc's
+// host pass (no __CUDA_ARCH__) keeps its entries, whose launch stubs it writes for every build.
+#if !defined(__CUDA_ARCH__) || KDA_WGMMA
 // ---- walk: the chunks in order, one (head, 64-column slice of V) a block ---------------------
 // One warpgroup a block carries its slice of the state transposed, S^T [64, D] (the state's own
 // [Dv, Dk] layout), as the fp32 accumulator of an m64nD warpgroup MMA: warp w holds rows 16 w..
@@ -490,19 +443,11 @@ template <int N>
 __device__ __forceinline__ u64 operand_desc(const unsigned char* p) {
     return wgmma_desc(p, N * 16, 128);
 }
+#define W_LBO (CHUNK * 16)  // bytes between dimension (k) octets
+#define W_SBO 128        // bytes between token (n) octets
 // w's (w_word's layout, MN-major): core matrices of 8 dimensions x 8 tokens
 __device__ __forceinline__ u64 w_desc(const unsigned char* p) {
     return wgmma_desc(p, W_LBO, W_SBO);
-}
-
-// The A fragment (hi, lo words) of k-columns 16 i.. from the C fragments of columns 16 i..
-// (x) and 16 i + 8.. (y).
-__device__ __forceinline__ void frag_of(const float* x, const float* y, unsigned (&hi)[4],
-                                        unsigned (&lo)[4]) {
-    const uint2 p0 = split_pair(x[0], x[1]), p1 = split_pair(x[2], x[3]);
-    const uint2 p2 = split_pair(y[0], y[1]), p3 = split_pair(y[2], y[3]);
-    hi[0] = p0.x, hi[1] = p1.x, hi[2] = p2.x, hi[3] = p3.x;
-    lo[0] = p0.y, lo[1] = p1.y, lo[2] = p2.y, lo[3] = p3.y;
 }
 
 // d += A B over K in 3xBF16: A's fragments in registers, B a staged operand of N rows (hi plane
@@ -658,6 +603,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     }
 }
 
+#endif  // the Hopper walk
+
 // T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
 // those of the host twin, which loops over it. Each kernel's dynamic shared memory is exported
 // as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout structs
@@ -684,5 +631,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)
+#if !defined(__CUDA_ARCH__) || KDA_WGMMA
 KDA_CHUNK_INTER(64)
 KDA_CHUNK_INTER(128)
+#endif

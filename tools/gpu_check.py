@@ -128,6 +128,15 @@ def main() -> int:
                              f"{r.ms:.3f} ms, core {r.core_ms:.3f} ms, GEMMs {r.gemm_ms:.3f} ms"
                              f"{vs}"))
                 print(rows[-1], flush=True)
+                if r.portable_core_ms:  # both walks alone, each after the layer's intra step
+                    hopper_core = r.kernels_ms["chunk_intra"] + r.hopper_walk_ms
+                    vs = f", fla chunk_kda {f_core / r.portable_core_ms:.2f}x" if f_ms else ""
+                    rows.append((f"prefill {preset}", f"T={r.tokens} portable",
+                                 f"core {r.portable_core_ms:.3f} ms = "
+                                 f"{r.portable_core_ms / hopper_core:.2f}x the Hopper core "
+                                 f"{hopper_core:.3f} ms (walks {r.portable_walk_ms:.3f} / "
+                                 f"{r.hopper_walk_ms:.3f} ms){vs}"))
+                    print(rows[-1], flush=True)
                 print("  each step in the layer, ms: " + ", ".join(
                     f"{n} {v:.3f}" for n, v in r.kernels_ms.items()), flush=True)
     if os.environ.get("OUT"):
