@@ -84,17 +84,26 @@ __host__ __device__ constexpr int park_word(int t, int d) {
 // block it factors as exp(G_t - G_r) exp(G_r - G_s), so a block row of A and Aqk is a product
 // of scaled rows on tensor cores (see the loop over r for when the diagonal block may use it).
 // Dimensions are staged 64 at a time, which keeps a block at ~111 KB of shared memory so two
-// blocks share an SM and one's loads overlap the other's arithmetic.
-struct Intra {
-    static constexpr int DH = 64;        // dimensions staged at a time
+// blocks share an SM (227 KB) and one's loads overlap the other's arithmetic; where a block may
+// take less (99 KB: sm_86, sm_89, sm_120), 32 at a time (94 KB at D = 128).
+template <int D, int DH_>
+struct IntraLayout {
+    static constexpr int DH = DH_;       // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
     static constexpr int PE = plane_ld(DH / 2);  // scaled rows: the hi and lo planes' rows
     static constexpr int SB = 16;        // the factorisation's block of rows
     static constexpr int EROWS = CHUNK + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
     static constexpr int G_OFF = 0, K_OFF = CHUNK * P, Q_OFF = 2 * CHUNK * P, E_OFF = 3 * CHUNK * P;
-    static constexpr int A_OFF = E_OFF + 2 * EROWS * PE, M_OFF = A_OFF + CHUNK * AP;
-    static constexpr int B_OFF = M_OFF + CHUNK * AP, FLOATS = B_OFF + CHUNK;
+    // the solve's X planes (rows of the 2 D columns, the XK tokens its products read) and A's
+    // diagonal blocks take the place of G, k, q and the scaled rows
+    static constexpr int XK = CHUNK - SB, LX = plane_ld(XK / 2), DG = SB;
+    static constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
+    static constexpr int SOLVE_END = DG_OFF + (CHUNK / SB) * SB * DG, ROWS_END = E_OFF + 2 * EROWS * PE;
+    static constexpr int A_OFF = ROWS_END > SOLVE_END ? ROWS_END : SOLVE_END;
+    static constexpr int M_OFF = A_OFF + CHUNK * AP, B_OFF = M_OFF + CHUNK * AP, FLOATS = B_OFF + CHUNK;
 };
+template <int D>
+using Intra = IntraLayout<D, IntraLayout<D, 64>::FLOATS * 4 <= SMEM_PER_BLOCK ? 64 : 32>;
 
 template <int D>
 __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict__ k,
@@ -103,7 +112,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                             unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             unsigned* __restrict__ aqk, int T, int H, float scale) {
-    using L = Intra;
+    using L = Intra<D>;
     constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB;
     extern __shared__ __align__(16) float sm[];
     float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
@@ -165,8 +174,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         // walk's image), and k exp(G), the solve's right-hand side, parked in w_out (park_word).
         // The qg and kd^T loops give a warp 8 rows x 4 pairs at a time, one core matrix of the
         // image: each of its stores is 128 contiguous bytes of a plane.
-        static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
-        const int c2 = 2 * lane;  // the scaled rows' two dimensions
+        static_assert(64 % DH == 0 && THREADS % DH == 0, "whole rows a warp, a lane's two dimensions");
+        constexpr int RPW = 64 / DH;  // the scaled rows' rows a warp builds at a time
+        const int c2 = 2 * (lane % (DH / 2)), rw = lane / (DH / 2);  // a lane's dimensions, row
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CHUNK - 1) * P + tid]);
         for (int it = warp; it < (CHUNK / 8) * (DH / 8); it += THREADS / 32) {
             const int r = 8 * (it / (DH / 8)) + (lane >> 2), pl = 4 * (it % (DH / 8)) + (lane & 3);
@@ -209,18 +219,18 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             // two loops, each with its sign and source fixed (no select, sign multiply or
             // modulo an element): these rows are rebuilt for every block row
-            for (int s = warp; s < ncols; s += THREADS / 32) {  // k_s exp(G_r - G_s)
+            for (int s = RPW * warp + rw; s < ncols; s += RPW * THREADS / 32) {  // k_s exp(G_r - G_s)
                 const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);
                 const uint2 y = split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
-                Eh[s * PE + lane] = y.x, El[s * PE + lane] = y.y;
+                Eh[s * PE + c2 / 2] = y.x, El[s * PE + c2 / 2] = y.y;
             }
-            for (int i = warp; i < 2 * SB; i += THREADS / 32) {  // k_t, then q_t, exp(G_t - G_r)
+            for (int i = RPW * warp + rw; i < 2 * SB; i += RPW * THREADS / 32) {  // k_t, q_t, exp(G_t - G_r)
                 const int t = r + (i < SB ? i : i - SB);
                 const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);
                 const uint2 y = split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
-                Eh[(CHUNK + i) * PE + lane] = y.x, El[(CHUNK + i) * PE + lane] = y.y;
+                Eh[(CHUNK + i) * PE + c2 / 2] = y.x, El[(CHUNK + i) * PE + c2 / 2] = y.y;
             }
             __syncthreads();  // the scaled rows are in place
             PHASE(2);
@@ -297,20 +307,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // written as fp32 and w as split words in the walk's image (w_word), over the right-hand
     // side k exp(G) parked in the words of the same 16-row block (park_word), read before any
     // of them is written.
-    constexpr int LX = plane_ld(CHUNK / 2);  // X's and A's plane rows: words of token pairs
-    constexpr int XK = CHUNK - SB;          // rows the products read: all but the last block's
+    constexpr int LX = L::LX;  // X's and A's plane rows: words of token pairs
+    constexpr int XK = L::XK;  // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
-    constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
-                            // same-address reads of a row go four at a time
-    constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
-    static_assert(DG_OFF + (CHUNK / SB) * SB * DG <= L::A_OFF,
-                  "X and the diagonal blocks fit below A");
+    constexpr int DG = L::DG;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
+                               // same-address reads of a row go four at a time
     static_assert(2 * XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
                   "A's rows in planes fit where Aqk was, C where A was");
     static_assert(2 * D <= THREADS, "one solve column a thread");
-    unsigned* Xh = reinterpret_cast<unsigned*>(sm + X_OFF);  // [2][2D][LX]: X^T, pairs along t
+    unsigned* Xh = reinterpret_cast<unsigned*>(sm + L::X_OFF);  // [2][2D][LX]: X^T, pairs along t
     unsigned* Xl = Xh + 2 * D * LX;
-    float* Dg = sm + DG_OFF;                                  // [C/SB][SB][DG]: A's diagonal blocks
+    float* Dg = sm + L::DG_OFF;                               // [C/SB][SB][DG]: A's diagonal blocks
     unsigned* Ah = reinterpret_cast<unsigned*>(Ms);  // [2][XK][LX]: A rows SB.., pairs along s
     unsigned* Al = Ah + XK * LX;
     float* Cs = A;                                            // [SB][LC]
@@ -617,7 +624,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }                                                                                          \
     extern "C" {                                                                               \
-    __constant__ int kda_chunk_intra_d##D##_smem = Intra::FLOATS * 4;                          \
+    __constant__ int kda_chunk_intra_d##D##_smem = Intra<D>::FLOATS * 4;                       \
     }
 #define KDA_CHUNK_INTER(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)   kda_chunk_inter_d##D(     \

@@ -18,10 +18,6 @@
 // 129 KB of operands (D = 128), sets the shared memory: it fits every GPU's per-block limit.
 #include "chunk.cuh"
 
-#if !defined(PORTABLE_WALK_THREADS) || !defined(SMEM_PER_BLOCK)
-#error "build kernels_cu/ with the flags of kdarun.kernels.compile_defines()"
-#endif
-
 template <int D>
 struct PWalk {
     static_assert(PORTABLE_WALK_THREADS == 32 * (WALK_ROWS / 16), "a warp per 16 state rows");

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
 from kdarun.dtypes import BF16
+from kdarun.kernels import SMEM_PER_BLOCK, compile_defines
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 
@@ -169,3 +170,37 @@ def test_portable_walk_agrees_with_the_hopper_walk(cuda, gpu_ckpts, T):
             got[core] = env.ws.read("core", T)[:T], st.download()[0]
         assert rel(got["portable"][0], got["hopper"][0]) < FP32_TOL, name
         assert rel(got["portable"][1], got["hopper"][1]) < FP32_TOL, name
+
+
+@pytest.mark.parametrize("name", ["softplus", "d128"])
+def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
+    """The chunk kernels as built for the GPUs whose block may take the least shared memory
+    (99 KB: the intra kernel staging 32 dimensions at a time, the portable walk's shortest
+    ring), run here: within the chunked core's tolerance of this GPU's own build and of the
+    float64 recurrence fed the same buffers."""
+    from kdarun import reference
+    with forced_core("portable"):
+        env = Env(cuda, gpu_ckpts[name], 4096)
+    cfg, T = env.cfg, 1000
+    H, D = cfg.num_heads, cfg.head_dim
+    R, C = env.warm_state(seed=1300)
+    h = random_hidden(T, cfg.hidden_size, seed=1301)
+    runs = []
+    for cc in (cuda.compute_capability, min(SMEM_PER_BLOCK, key=SMEM_PER_BLOCK.get)):
+        kn = env.layer.kernels
+        kn.modules.update({fam: cuda.load_module(fam, compile_defines(cc))
+                           for fam in ("chunk", "chunk_portable")})
+        assert max(cuda.shared_bytes(kn.modules[fam], f"{kernel}_d{D}") for fam, kernel in (
+            ("chunk", "kda_chunk_intra"), ("chunk_portable", "kda_chunk_inter_portable"))
+        ) <= SMEM_PER_BLOCK[cc]
+        st = env.state(R, C)
+        env.prefill(h, st)
+        runs.append((env.ws.read("core", T)[:T].copy(), st.download()[0]))
+    (core_own, S_own), (core_small, S_small) = runs
+    assert rel(core_small, core_own) < FP32_TOL
+    assert rel(S_small, S_own) < FP32_TOL
+    rd = lambda n: env.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
+    qkv = [rd(n).reshape(T, H, D) for n in ("q_f32", "k_f32", "v_f32")]
+    core, S = reference.core_recurrent(cfg, *qkv, rd("gate"), rd("beta"), R)
+    assert rel(core_small, core) < FP32_TOL
+    assert rel(S_small, S) < FP32_TOL
