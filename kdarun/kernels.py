@@ -62,7 +62,7 @@ def smem_per_block(cc: int) -> int:
 
 
 def arch_cc(arch: str) -> int:
-    """"sm_90a" -> 90."""
+    """The compute capability an architecture name builds for: "sm_90a" -> 90."""
     return int(arch[3:].rstrip("a"))
 
 
