@@ -5,7 +5,7 @@ summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
         [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
-        [--tokens 1024,4096] [--no-fla]
+        [--tokens 1024,4096] [--presets glm-5.3-flash,kimi-linear-48b] [--no-fla]
         [--pytest-args "-k prefill"]
 
 Installs nothing. The benchmarks run only if the tests pass. Full results go to
@@ -52,6 +52,8 @@ def main() -> int:
     ap.add_argument("--batch", default="1,8,32,64,128,256",
                     help="sequences a call of batched decode, comma-separated")
     ap.add_argument("--tokens", help="prefill lengths, comma-separated")
+    ap.add_argument("--presets", help="presets in the order to run them, comma-separated "
+                    "(default kimi-linear-48b,glm-5.3-flash; --quick: kimi-linear-48b)")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
     args = ap.parse_args()
 
@@ -72,6 +74,8 @@ def main() -> int:
         use_fla = not args.no_fla and bench.fla_available()
         report["fla"] = use_fla
         presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "glm-5.3-flash"]
+        if args.presets:
+            presets = args.presets.split(",")
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
