@@ -5,8 +5,8 @@
 //     everything elementwise the sequential walk needs: qg = q exp(G), kd = k exp(G_last - G),
 //     gl = exp(G_last). The walk then does no transcendental math at all.
 //   kda_chunk_inter_d{D}, the Hopper walk, built for sm_90a alone (kernels_cu/chunk_portable.cu
-//     has the walk every other GPU runs): per (head, 64-column slice of V) walks the chunks in order with its
-//     state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
+//     has the walk every other GPU runs): per (head, 64-column slice of V) walks the chunks in
+//     order with its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
 //     products run on warpgroup MMAs in 3xBF16 from operands the intra kernel already wrote as
 //     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
 //     one bulk copy stages each and its inner loops convert nothing); the next operands land
@@ -44,11 +44,11 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
 }
 
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
-// axis, ld words a row, rows 16 bytes past a multiple of 128 so that the rows of each 8 x 8
+// axis, ld words a row, rows an odd multiple of 16 bytes apart so that the rows of each 8 x 8
 // tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
 // by ldmatrix: the registers arrive in the order the MMA takes them (rows of (hi, lo) word
 // pairs took register moves to get there, ~2.5 an MMA).
-__host__ __device__ constexpr int plane_ld(int words) {  // words a row: a multiple of 32, + 16 bytes
+__host__ __device__ constexpr int plane_ld(int words) {  // words: a multiple of 8; + 16 bytes
     return words + 4;
 }
 
@@ -98,9 +98,11 @@ struct IntraLayout {
     // diagonal blocks take the place of G, k, q and the scaled rows
     static constexpr int XK = CHUNK - SB, LX = plane_ld(XK / 2), DG = SB;
     static constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
-    static constexpr int SOLVE_END = DG_OFF + (CHUNK / SB) * SB * DG, ROWS_END = E_OFF + 2 * EROWS * PE;
+    static constexpr int SOLVE_END = DG_OFF + (CHUNK / SB) * SB * DG;
+    static constexpr int ROWS_END = E_OFF + 2 * EROWS * PE;
     static constexpr int A_OFF = ROWS_END > SOLVE_END ? ROWS_END : SOLVE_END;
-    static constexpr int M_OFF = A_OFF + CHUNK * AP, B_OFF = M_OFF + CHUNK * AP, FLOATS = B_OFF + CHUNK;
+    static constexpr int M_OFF = A_OFF + CHUNK * AP, B_OFF = M_OFF + CHUNK * AP;
+    static constexpr int FLOATS = B_OFF + CHUNK;
 };
 template <int D>
 using Intra = IntraLayout<D, IntraLayout<D, 64>::FLOATS * 4 <= SMEM_PER_BLOCK ? 64 : 32>;
@@ -174,7 +176,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         // walk's image), and k exp(G), the solve's right-hand side, parked in w_out (park_word).
         // The qg and kd^T loops give a warp 8 rows x 4 pairs at a time, one core matrix of the
         // image: each of its stores is 128 contiguous bytes of a plane.
-        static_assert(64 % DH == 0 && THREADS % DH == 0, "whole rows a warp, a lane's two dimensions");
+        static_assert(64 % DH == 0 && THREADS % DH == 0, "whole rows a warp, two dimensions a lane");
         constexpr int RPW = 64 / DH;  // the scaled rows' rows a warp builds at a time
         const int c2 = 2 * (lane % (DH / 2)), rw = lane / (DH / 2);  // a lane's dimensions, row
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CHUNK - 1) * P + tid]);
@@ -219,13 +221,15 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             // two loops, each with its sign and source fixed (no select, sign multiply or
             // modulo an element): these rows are rebuilt for every block row
-            for (int s = RPW * warp + rw; s < ncols; s += RPW * THREADS / 32) {  // k_s exp(G_r - G_s)
+            // k_s exp(G_r - G_s)
+            for (int s = RPW * warp + rw; s < ncols; s += RPW * THREADS / 32) {
                 const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);
                 const uint2 y = split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
                 Eh[s * PE + c2 / 2] = y.x, El[s * PE + c2 / 2] = y.y;
             }
-            for (int i = RPW * warp + rw; i < 2 * SB; i += RPW * THREADS / 32) {  // k_t, q_t, exp(G_t - G_r)
+            // k_t, then q_t, exp(G_t - G_r)
+            for (int i = RPW * warp + rw; i < 2 * SB; i += RPW * THREADS / 32) {
                 const int t = r + (i < SB ? i : i - SB);
                 const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);

@@ -50,7 +50,8 @@ template <int N, int K>
 __device__ __forceinline__ Frag frag_img(const unsigned* img, int s, int n0, int lane) {
     const int j = lane >> 3;
     unsigned x[4];
-    ldmatrix_x4(x, img + (j >> 1) * (N * K / 2) + 4 * N * (2 * s + (j & 1)) + 4 * (n0 + (lane & 7)));
+    ldmatrix_x4(x, img + (j >> 1) * (N * K / 2) + 4 * N * (2 * s + (j & 1)) +
+                       4 * (n0 + (lane & 7)));
     return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
@@ -140,7 +141,8 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             Frag a;
             frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
 #pragma unroll
-            for (int j = 0; j < NC; ++j) mma3(P + 4 * j, Pe + 4 * j, a, frag_w<D>(wimg, s, 8 * j, lane));
+            for (int j = 0; j < NC; ++j)
+                mma3(P + 4 * j, Pe + 4 * j, a, frag_w<D>(wimg, s, 8 * j, lane));
         }
 #pragma unroll
         for (int i = 0; i < CHUNK / 2; ++i) P[i] += Pe[i];
@@ -163,7 +165,8 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
         for (int j = 0; j < NC; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                P[4 * j + i] = us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
+                P[4 * j + i] =
+                    us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
         Frag V[KC];
 #pragma unroll
         for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, V[s].hi, V[s].lo);
@@ -180,7 +183,8 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             for (int i = 0; i < 4; ++i) {
                 const int t = c0 + 8 * j + 2 * t4 + (i & 1);
                 if (t < T)
-                    core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i] + Oe[4 * j + i];
+                    core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] =
+                        O[4 * j + i] + Oe[4 * j + i];
             }
 
         // S^T = S^T diag(gl) + v^T kd: D / 8 tiles are chains enough, so the three terms go

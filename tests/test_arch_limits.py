@@ -70,7 +70,8 @@ def test_every_launch_fits_the_architecture(builds, arch):
     for fam in FAMILIES:
         kernels = _kernels(*builds[arch, fam])
         # the Hopper walk exists where its warpgroup MMAs do; every other entry everywhere
-        want = {n for n in HOST_KERNELS[fam] if arch == "sm_90a" or not n.startswith("kda_chunk_inter_d")}
+        want = {n for n in HOST_KERNELS[fam]
+                if arch == "sm_90a" or not n.startswith("kda_chunk_inter_d")}
         assert set(kernels) == want, (arch, fam)
         for name, k in kernels.items():
             where = f"{name} on {arch} (capability {cc / 10:.1f})"
