@@ -10,6 +10,7 @@ from .layer import Glm5NextKdaLayer, Stage, prefill_packed, prefill_windowed
 from .loader import KdaStack, load_stack
 from .pool import KdaStatePool
 from .state import KdaSeqState
+from .tp import TpGroup
 from .weights import Glm5NextKdaWeights
 from .workspace import Glm5NextKdaWorkspace
 
@@ -17,5 +18,5 @@ __all__ = [
     "CHUNK", "Checkpoint", "DevicePtr", "Glm5NextKdaConfig", "Glm5NextKdaKernels",
     "Glm5NextKdaLayer", "Glm5NextKdaWeights", "Glm5NextKdaWorkspace", "GpuBackend", "KdaError",
     "KdaSeqState", "KdaStack", "LaunchConfig", "Stage", "load_stack", "open_backend",
-    "prefill_packed", "prefill_windowed", "KdaStatePool",
+    "prefill_packed", "prefill_windowed", "KdaStatePool", "TpGroup",
 ]

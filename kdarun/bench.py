@@ -15,15 +15,16 @@ import numpy as np
 
 from . import synthetic
 from .backend import DevicePtr, GpuBackend
-from .checkpoint import canonical
+from .checkpoint import canonical, shard_tensors
 from .config import Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .kernels import Glm5NextKdaKernels
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .layer import Glm5NextKdaLayer, Step, prefill_packed
 from .loader import release_bound
 from .pool import KdaStatePool
 from .run import random_hidden
 from .state import KdaSeqState, recurrent_shape
+from .tp import NcclComm, TpGroup
 from .weights import Glm5NextKdaWeights
 from .workspace import Glm5NextKdaWorkspace
 
@@ -108,13 +109,15 @@ def random_state(gpu, cfg, rng, stream) -> KdaSeqState:
     return s
 
 
-def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int
+def random_layer(gpu: GpuBackend, cfg: Glm5NextKdaConfig, rows: int, stream: int,
+                 pad_rows: int | None = None
                  ) -> tuple[Glm5NextKdaLayer, Glm5NextKdaWorkspace, KdaSeqState, DevicePtr]:
-    """One layer on random weights, a workspace for `rows` tokens, a random state and `rows`
-    random hidden rows [rows, hidden] bf16 on the device: the prefill benchmark's set-up, which
-    the profiling tools share so that their figures describe the same run."""
+    """One layer on random weights, a workspace for `rows` tokens (and `pad_rows` padded rows),
+    a random state and `rows` random hidden rows [rows, hidden] bf16 on the device: the prefill
+    benchmark's set-up, which the profiling tools share so that their figures describe the
+    same run."""
     (layer,) = bound_layers(gpu, cfg, 1, 5, stream)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, rows)
+    ws = Glm5NextKdaWorkspace(gpu, cfg, rows, pad_rows)
     state = random_state(gpu, cfg, np.random.default_rng(6), stream)
     h = gpu.upload(random_hidden(rows, cfg.hidden_size, 7), stream)
     return layer, ws, state, h
@@ -144,6 +147,9 @@ class DecodeResult:
     fla_us: float | None = None
     kernels_us: dict | None = None  # each launch of one layer call, timed from graph replays
     batch: int = 1  # sequences a call (batch-decode, batch-verify)
+    tp: int = 1  # tensor parallel ranks (bytes: one rank's)
+    tp_mode: str | None = None  # in-turn (us: every rank one after the other) or nccl
+    rank_us: float | None = None  # in-turn: one rank's layer calls alone, without the sum
 
 
 def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int,
@@ -188,6 +194,86 @@ def bench_decode(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilin
     _release(gpu, layers, states, ws, h)
     return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us, nbytes, gbps,
                         gbps / ceil.copy_gbps, kernels_us=kernels)
+
+
+def bench_decode_tp(gpu: GpuBackend, preset: str, k: int, graph: bool, ceil: Ceilings,
+                    stream: int, tp_size: int, comm: NcclComm | None = None, reps: int = 200,
+                    gate: str | None = None) -> DecodeResult:
+    """decode (k = 1) or decode_k of a tensor parallel group of `tp_size` ranks over
+    DECODE_LAYERS layers of random weights (each layer's whole tensors drawn, then sharded):
+    with `comm`, this process's NCCL rank, the all-reduce inside the timed graph; without,
+    every rank in turn on this GPU. In turn, `us` is the ranks' calls one after the other
+    plus their sum (it checks the path, it is no group latency) and `rank_us` rank 0's layer
+    calls alone: what a rank computes on a GPU of its own, before the all-reduce."""
+    cfg = synthetic.preset_config(preset, gate)
+    rcfg = cfg.shard(tp_size)
+    ranks = [comm.rank] if comm is not None else list(range(tp_size))
+    kernels = Glm5NextKdaKernels(gpu, rcfg)
+    wss = [Glm5NextKdaWorkspace(gpu, rcfg, k) for _ in ranks]
+    rng = np.random.default_rng(1)
+    groups = []
+    for i in range(DECODE_LAYERS):
+        full = canonical(cfg, synthetic.synth_layer_tensors(cfg, rng))
+        groups.append(TpGroup(gpu, [(Glm5NextKdaLayer(i, rcfg, Glm5NextKdaWeights.upload(
+            gpu, rcfg, shard_tensors(cfg, full, r, tp_size), stream), kernels), ws)
+            for r, ws in zip(ranks, wss)], tp_size, comm, k))
+    states = [[random_state(gpu, rcfg, rng, stream) for _ in ranks] for _ in groups]
+    h = gpu.upload(random_hidden(k, cfg.hidden_size, 3), stream)
+    gpu.synchronize(0)  # the workspaces' zeroing ran on the legacy stream, which ours skips
+
+    def step() -> None:
+        for group, sts in zip(groups, states):
+            if k == 1:
+                group.decode(gpu, h, sts, stream)
+            else:
+                group.decode_k(gpu, h, k, sts, None, stream)
+
+    def rank0() -> None:
+        for group, sts in zip(groups, states):
+            layer, ws = group.ranks[0]
+            if k == 1:
+                layer.decode(gpu, h, sts[0], ws, stream)
+            else:
+                layer.decode_k(gpu, h, k, sts[0], ws, (), stream)
+
+    timed = [step] if comm is not None else [step, rank0]
+    fns = []
+    for fn in timed:
+        fn()
+        if graph:
+            g = gpu.capture(fn, stream)
+            fns.append(lambda g=g: g.replay(stream))
+        else:
+            fns.append(fn)
+    us = [ms * 1e3 / DECODE_LAYERS for ms in medians_in_turn(
+        [lambda fn=fn: time_once(gpu, fn, stream) for fn in fns], reps, 5)]
+    nbytes = decode_bytes(rcfg, groups[0].ranks[0][0].weights, k)
+    gbps = nbytes / (us[0] if comm is not None else us[1]) / 1e3
+    for group in groups:
+        for layer, _ in group.ranks:
+            layer.weights.free(gpu)
+        group.free()
+    for ws in wss:
+        ws.free()
+    for st in (s for sts in states for s in sts):
+        st.free()
+    gpu.free(h)
+    return DecodeResult(preset, "decode" if k == 1 else "decode-k", k, graph, us[0], nbytes,
+                        gbps, gbps / ceil.copy_gbps, tp=tp_size,
+                        tp_mode="nccl" if comm is not None else "in-turn",
+                        rank_us=None if comm is not None else us[1])
+
+
+def bench_decode_rank(gpu: GpuBackend, comm: NcclComm, preset: str, k: int, graph: bool,
+                      reps: int) -> DecodeResult:
+    """One NCCL rank of `kdarun bench --tp N` (`tp.launch`'s work): its own ceilings, then
+    `bench_decode_tp` on its rank."""
+    stream = gpu.create_stream()
+    try:
+        ceil = measure_ceilings(gpu, stream)
+        return bench_decode_tp(gpu, preset, k, graph, ceil, stream, comm.size, comm, reps)
+    finally:
+        gpu.destroy_stream(stream)
 
 
 def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings, stream: int,
@@ -332,6 +418,7 @@ class VarlenResult:
     ms_checkpoints: float  # the same with the state checkpointed every CHECKPOINT_EVERY tokens
     one_ms: float  # one prefill of as many tokens in one sequence, in the same run
     fla_ms: float | None = None  # fla's layer over the mix, by cu_seqlens
+    steps_ms: dict[str, float] | None = None  # each step of the packed table, in the layer
 
 
 CHECKPOINT_EVERY = 256
@@ -352,10 +439,12 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                  gate: str = "bounded", fla: bool = False, reps: int = 10) -> list[VarlenResult]:
     """Packed prefill of each (sequences, tokens each) of `mix`, from zero states, with and
     without checkpoints, beside one prefill of as many tokens (and fla's layer over the same
-    pack with cu_seqlens), timed in turn rep by rep."""
+    pack with cu_seqlens), timed in turn rep by rep. The workspace holds every mix's padded
+    chunks, so each pack runs in one window."""
     cfg = synthetic.preset_config(preset, gate)
     total = max(n * t for n, t in mix)
-    layer, ws, state, h = random_layer(gpu, cfg, total, stream)
+    layer, ws, state, h = random_layer(gpu, cfg, total, stream,
+                                       max(n * cfg.t_pad(t) for n, t in mix))
     out = gpu.alloc(total * cfg.hidden_size * BF16.itemsize)
     results = []
     for n, t in mix:
@@ -372,10 +461,18 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
                   lambda: time_once(gpu, lambda: packed(CHECKPOINT_EVERY), stream),
                   lambda: time_once(gpu, lambda: layer.prefill(gpu, h, n * t, state, ws, stream),
                                     stream)]
-        if fla:
-            timers.append(_fla_varlen_timer(cfg, n, t))
-        ms, ms_ck, one, *fla_ms = medians_in_turn(timers, reps, 2)
-        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one, *fla_ms))
+        ms, ms_ck, one = medians_in_turn(timers, reps, 2)
+        # fla in turns of its own: a kdarun call right after fla's took ~0.25 ms more
+        # (docs/perf-log.md, packed prefill on segments)
+        fla_ms = medians_in_turn([_fla_varlen_timer(cfg, n, t)], reps, 2) if fla else []
+        # the packed table step by step (the pack is one window of this workspace)
+        table, t_pad = segment_table(np.arange(n) * t, np.full(n, t), np.arange(n),
+                                     np.zeros(n, bool), 0)
+        gpu.copy_h2d(ws.ptr("segments"), table, stream)
+        steps = layer.packed_steps(h, n * t, pool, ws, SegmentTable(ws.ptr("segments"), n, t_pad))
+        results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one,
+                                    fla_ms[0] if fla_ms else None,
+                                    step_medians(gpu, steps, stream, reps, 3)))
         pool.free()
     gpu.free(out)
     _release(gpu, [layer], [state], ws, h)

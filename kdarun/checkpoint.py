@@ -10,7 +10,8 @@ GLM-5.3-Flash) and spell their attention tensors one of two ways (`SPELLINGS`): 
 released checkpoints' flat names with three separate convs, or transformers' module tree
 (`forget_gate.*` and one fused `conv1d`). Only the attention tensors of the KDA layers are
 read, one layer at a time; every tensor's shape and dtype are checked before its data is
-touched, and a tensor holding NaN or Inf is refused, naming it.
+touched, and a tensor holding NaN or Inf is refused, naming it. A tensor parallel rank reads
+only its slices of each tensor (`TensorSpec.head_axis`).
 """
 
 from __future__ import annotations
@@ -40,30 +41,36 @@ SINGLE_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor as kdarun uses it: its accepted shapes (first is canonical) and dtypes."""
+    """One tensor as kdarun uses it: its accepted shapes (first is canonical) and dtypes, and
+    `head_axis`, the axis of the canonical shape that runs over heads (a rank of a tensor
+    parallel group reads its share of it; None: every rank reads it whole)."""
     name: str
     shapes: Callable[[Glm5NextKdaConfig], tuple[tuple[int, ...], ...]]
     dtypes: tuple[str, ...]
+    head_axis: int | None = None
 
 
 _MAT = ("BF16",)
 _SMALL = ("BF16", "F32")
+# Tensor parallel over heads (vLLM's recipe): q/k/v and their convs, f_b, g_b, b, A_log and
+# dt_bias are split by heads; o_proj by its input columns (row-parallel, so each rank's
+# final_out is a partial sum); f_a, g_a and o_norm are replicated.
 TENSORS: tuple[TensorSpec, ...] = (
-    TensorSpec("q_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT),
-    TensorSpec("k_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT),
-    TensorSpec("v_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT),
-    TensorSpec("q_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL),
-    TensorSpec("k_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL),
-    TensorSpec("v_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL),
-    TensorSpec("A_log", lambda c: ((1, 1, c.num_heads, 1), (c.num_heads,)), _SMALL),
-    TensorSpec("dt_bias", lambda c: ((c.qkv,),), _SMALL),
+    TensorSpec("q_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT, 0),
+    TensorSpec("k_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT, 0),
+    TensorSpec("v_proj.weight", lambda c: ((c.qkv, c.hidden_size),), _MAT, 0),
+    TensorSpec("q_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL, 0),
+    TensorSpec("k_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL, 0),
+    TensorSpec("v_conv1d.weight", lambda c: ((c.qkv, 1, c.conv_kernel),), _SMALL, 0),
+    TensorSpec("A_log", lambda c: ((1, 1, c.num_heads, 1), (c.num_heads,)), _SMALL, 2),
+    TensorSpec("dt_bias", lambda c: ((c.qkv,),), _SMALL, 0),
     TensorSpec("f_a_proj.weight", lambda c: ((c.rank, c.hidden_size),), _MAT),
-    TensorSpec("f_b_proj.weight", lambda c: ((c.qkv, c.rank),), _MAT),
-    TensorSpec("b_proj.weight", lambda c: ((c.num_heads, c.hidden_size),), _MAT),
+    TensorSpec("f_b_proj.weight", lambda c: ((c.qkv, c.rank),), _MAT, 0),
+    TensorSpec("b_proj.weight", lambda c: ((c.num_heads, c.hidden_size),), _MAT, 0),
     TensorSpec("g_a_proj.weight", lambda c: ((c.rank, c.hidden_size),), _MAT),
-    TensorSpec("g_b_proj.weight", lambda c: ((c.qkv, c.rank),), _MAT),
+    TensorSpec("g_b_proj.weight", lambda c: ((c.qkv, c.rank),), _MAT, 0),
     TensorSpec("o_norm.weight", lambda c: ((c.head_dim,),), _SMALL),
-    TensorSpec("o_proj.weight", lambda c: ((c.hidden_size, c.qkv),), _MAT),
+    TensorSpec("o_proj.weight", lambda c: ((c.hidden_size, c.qkv),), _MAT, 1),
 )
 _BY_NAME = {s.name: s for s in TENSORS}
 
@@ -102,6 +109,32 @@ class StoredTensor:
     def dtypes(self) -> tuple[str, ...]:
         return self.holds[0].dtypes
 
+    def rank_index(self, cfg: Glm5NextKdaConfig, shape: tuple[int, ...], tp_rank: int,
+                   tp_size: int) -> list[tuple[slice, ...]]:
+        """The index tuples that select rank `tp_rank`'s share of this tensor stored as
+        `shape` (one of `shapes(cfg)`, the whole model's config), one for each part it holds,
+        in order: the part's rows (parts are stacked along dim 0) and, along the head axis,
+        the rank's 1/tp_size of them (heads are contiguous, so that is the rank's heads).
+        Concatenated along dim 0 they hold the rank's parts stacked the same way. The one
+        place a tensor is sharded: the checkpoint's sliced reads and `shard_tensors` both
+        apply it."""
+        n, spec = len(self.holds), self.holds[0]
+        rows = shape[0] // n
+        axis = spec.head_axis
+        if axis is not None:
+            canon = spec.shapes(cfg)[0]  # another accepted shape (A_log [H]): the heads' axis
+            axis = axis if len(shape) == len(canon) else shape.index(canon[axis])
+        out = []
+        for i in range(n):
+            idx = [slice(None)] * len(shape)
+            idx[0] = slice(i * rows, (i + 1) * rows)
+            if axis is not None and tp_size > 1:
+                lo, extent = (i * rows, rows) if axis == 0 else (0, shape[axis])
+                share = extent // tp_size
+                idx[axis] = slice(lo + tp_rank * share, lo + (tp_rank + 1) * share)
+            out.append(tuple(idx))
+        return out
+
 
 def tensor_name(prefix: str, layer_idx: int, short: str) -> str:
     """The full name of attention tensor `short` of layer `layer_idx` under `prefix`."""
@@ -135,6 +168,20 @@ def canonical(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray]) -> dict[st
     out["A_log"] = out["A_log"].reshape(cfg.num_heads)
     for p in "qkv":
         out[f"{p}_conv1d.weight"] = out[f"{p}_conv1d.weight"].reshape(cfg.qkv, cfg.conv_kernel)
+    return out
+
+
+def shard_tensors(cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray], tp_rank: int,
+                  tp_size: int) -> dict[str, np.ndarray]:
+    """Rank `tp_rank`'s share of in-memory layer tensors of the whole model's `cfg` (keyed by
+    `TENSORS` name, canonical or checkpoint shapes), by the same rule as the checkpoint's
+    sliced reads: what `Checkpoint.layer_tensors(i, tp_rank, tp_size)` returns for them."""
+    cfg.check_tp(tp_rank, tp_size)
+    out = {}
+    for name, arr in tensors.items():
+        (idx,) = StoredTensor(name, (_BY_NAME[name],)).rank_index(cfg, arr.shape, tp_rank,
+                                                                 tp_size)
+        out[name] = np.ascontiguousarray(arr[idx])
     return out
 
 
@@ -276,8 +323,10 @@ class Checkpoint:
         return [StoredTensor(self.tensor_name(layer_idx, short), tuple(_BY_NAME[h] for h in holds))
                 for short, holds in spelling.items()]
 
-    def _read_layer(self, layer_idx: int) -> list[tuple[StoredTensor, np.ndarray]]:
-        """Layer `layer_idx`'s stored tensors, each checked, dtypes as stored."""
+    def _read_layer(self, layer_idx: int, tp_rank: int = 0,
+                    tp_size: int = 1) -> list[tuple[StoredTensor, np.ndarray]]:
+        """Layer `layer_idx`'s stored tensors, each checked, dtypes as stored: rank
+        `tp_rank`'s share of each of `tp_size` (`StoredTensor.rank_index`), read as slices."""
         stored = self.stored_tensors(layer_idx)
         names = [self.tensor_name(layer_idx, n) for n in self._layer_names(layer_idx)]
         scales = [n for n in names if n.endswith(FP8_SCALE_SUFFIX)]
@@ -301,24 +350,29 @@ class Checkpoint:
                 for s in specs:
                     if s.name not in keys:
                         raise KdaError(f"{file}: missing tensor {s.name} (the index points here)")
-                    out.append((s, self._read_checked(f, file, s)))
+                    out.append((s, self._read_checked(f, file, s, tp_rank, tp_size)))
         return out
 
-    def layer_tensors(self, layer_idx: int) -> dict[str, np.ndarray]:
+    def layer_tensors(self, layer_idx: int, tp_rank: int = 0,
+                      tp_size: int = 1) -> dict[str, np.ndarray]:
         """All KDA tensors of layer `layer_idx` (0-based), keyed by their `TENSORS` name
         whatever the spelling (a fused conv split into q, k, v), shapes canonical (`A_log`
-        as `[H]`, conv weights `[qkv, W]`), dtypes as stored. A tensor holding NaN or Inf is
-        refused, naming it and where."""
+        as `[H]`, conv weights `[qkv, W]`) for the config `config.shard(tp_size)`, dtypes as
+        stored. With tp_size > 1 only rank `tp_rank`'s share of each tensor is read (its
+        heads' rows, o_proj's columns; f_a, g_a, o_norm whole), never a whole sharded tensor.
+        A tensor holding NaN or Inf is refused, naming it and where."""
+        self.config.check_tp(tp_rank, tp_size)
         out: dict[str, np.ndarray] = {}
-        for s, arr in self._read_layer(layer_idx):
+        for s, arr in self._read_layer(layer_idx, tp_rank, tp_size):
             bad = nonfinite(s.name, arr)
             if bad:
                 raise KdaError(f"checkpoint {self.path}: {bad}")
             for spec, part in zip(s.holds, np.split(arr, len(s.holds))):
                 out[spec.name] = np.ascontiguousarray(part)
-        return canonical(self.config, out)
+        return canonical(self.config.shard(tp_size), out)
 
-    def _read_checked(self, f, file: Path, s: StoredTensor) -> np.ndarray:
+    def _read_checked(self, f, file: Path, s: StoredTensor, tp_rank: int,
+                      tp_size: int) -> np.ndarray:
         sl = f.get_slice(s.name)
         shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         shapes = s.shapes(self.config)
@@ -332,10 +386,10 @@ class Checkpoint:
             raise KdaError(f"{file}: tensor {s.name} has dtype {dtype}, expected "
                            f"{' or '.join(s.dtypes)}")
         try:
-            arr = f.get_tensor(s.name)
+            parts = [sl[idx] for idx in s.rank_index(self.config, shape, tp_rank, tp_size)]
         except Exception as e:
             raise KdaError(f"{file}: cannot read tensor {s.name} ({e})") from None
-        return np.ascontiguousarray(arr)
+        return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
     def problems(self) -> list[str]:
         """Every problem found in the KDA tensors of every KDA layer (empty when clean)."""

@@ -26,10 +26,13 @@ from .checkpoint import Checkpoint
 from .config import LAYOUTS, MAX_DECODE_ROWS
 from .errors import KdaError
 from .loader import load_stack
-from .run import (DEMO, ErrorReport, RunPlan, claim_output, compare, open_run_checkpoint,
-                  random_hidden, read_hidden, reference_run, run_layer, write_output)
+from .run import (DEMO, TP_MODES, ErrorReport, RunPlan, claim_output, compare,
+                  open_run_checkpoint, random_hidden, read_hidden, reference_of, run_layer,
+                  run_tp, write_output)
+from .tp import launch, visible_gpus
 
 E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
+TP_MODE_CHOICES = ("auto", *TP_MODES)
 FORCE_HELP = "Replace what the output path already holds (never an input or a checkpoint file)."
 
 
@@ -139,9 +142,16 @@ def main(debug: bool) -> None:
               help="Serve this many sequences instead: random prompts of up to --tokens tokens "
                    "in one packed prefill, --decode-steps batched decodes and one batched "
                    "verify of --k rows (3 if 0), each sequence checked.")
+@click.option("--tp", "tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor parallel ranks: the layer's heads split over N ranks, their outputs "
+                   "summed (num_heads must divide by N).")
+@click.option("--tp-mode", type=click.Choice(TP_MODE_CHOICES), default="auto", show_default=True,
+              help="How --tp N runs: nccl (one process a GPU, an NCCL all-reduce), in-turn (the "
+                   "N ranks one after the other on one device) or auto (in-turn on the host "
+                   "backend or one GPU, else nccl).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
-              force, seed, dump_dir, batch, as_json) -> None:
+              force, seed, dump_dir, batch, tp, tp_mode, as_json) -> None:
     """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
 
     With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
@@ -167,12 +177,25 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             raise KdaError(f"--layer {layer_idx} is not a KDA layer of "
                            f"{checkpoint or 'the built-in demo checkpoint'} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
+        if tp > 1:
+            if batch is not None:
+                raise click.UsageError("--tp runs one sequence (prefill, decodes, decode_k); "
+                                       "the serving run of --batch is not tensor parallel here")
+            if dump_dir:
+                raise click.UsageError("--dump-stages shows one layer's buffers; a tensor "
+                                       "parallel rank's are partial: dump with --tp 1")
+            cfg.check_tp(0, tp)
+        tp_run_mode = _tp_run_mode(tp_mode, gpu.name, tp)
         if batch is not None:
-            if input_path or output_path or dump_dir:
+            if input_path or output_path:
                 raise click.UsageError("--batch runs random prompts: it takes no --input and "
-                                       "writes no --output or --dump-stages")
+                                       "writes no --output")
+            run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
+                       config=cfg.to_hf(), input="random",
+                       command=_repeat_command(layer_idx=layer_idx, tokens=tokens or 100,
+                                               k=k or 3, backend=gpu.name))
             _layer_run_batch(gpu, ckpt_path, cfg, layer_idx, batch, tokens or 100,
-                             decode_steps, k or 3, seed, as_json)
+                             decode_steps, k or 3, seed, as_json, dump, run)
             return
         hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
         if tokens is None:
@@ -186,15 +209,22 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             raise KdaError(f"--input {input_path} holds {hidden.shape[0]} rows; the run takes "
                            f"{plan.total} (prefill {plan.prefill} + decode steps "
                            f"{plan.decode_steps} + k {plan.k})")
-        stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx])
+        # one rank's stack first: its memory check refuses a run too large before any input
+        stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx]) \
+            if tp == 1 else None
         if hidden is None:
             hidden = random_hidden(plan.total, cfg.hidden_size, seed)
         hidden = hidden[:plan.total]
         recorder = StageRecorder() if dump else None
-        result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
-        tensors = stack.checkpoint.layer_tensors(layer_idx)
-        ref = reference_run(stack, layer_idx, hidden, tensors)
-        stack.free(gpu)
+        if stack is None:
+            result = run_tp(gpu, ckpt_path, layer_idx, hidden, plan, tp, tp_run_mode)
+        else:
+            try:
+                result = run_layer(gpu, stack, layer_idx, hidden, plan, recorder=recorder)
+            finally:
+                stack.free(gpu)
+        tensors = ckpt.layer_tensors(layer_idx)
+        ref = reference_of(ckpt, layer_idx, hidden, tensors)
         run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
                    plan=vars(plan), config=cfg.to_hf(),
                    input={"path": str(Path(input_path).resolve())} if input_path else "random",
@@ -216,6 +246,7 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         click.echo(_json({
             "backend": gpu.name, "device": gpu.device_name, "checkpoint": ckpt_label,
             "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
+            "tp": tp, "tp_mode": tp_run_mode,
             "wall_ms": result.wall_ms, "final_out": vars(out_err),
             "recurrent_state": vars(state_err), "tolerance": E2E_TOL, "ok": ok,
             "dump": dump_dir}))
@@ -229,6 +260,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                       f"D={cfg.head_dim}, hidden={cfg.hidden_size})"),
             ("mode", mode),
             ("tokens", str(plan.total)),
+        ] + ([("tensor parallel", f"{tp} ranks of {cfg.num_heads // tp} head(s), "
+                                  f"{tp_run_mode}")] if tp > 1 else []) + [
             ("wall time", wall + (" (with stage dumps)" if dump else "")),
             ("final_out vs float64", _error_text(out_err)),
             ("state vs float64", _error_text(state_err)),
@@ -238,21 +271,45 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         sys.exit(1)
 
 
+def _tp_run_mode(requested: str, backend: str, tp: int) -> str | None:
+    """How --tp N runs (None for one rank): --tp-mode as given, auto picking in-turn on the
+    host backend or a single visible GPU and nccl otherwise (where `tp.launch` refuses fewer
+    GPUs than ranks, with the way out)."""
+    if tp == 1:
+        return None
+    if requested == "nccl" and backend != "cuda":
+        raise click.UsageError(f"--tp-mode nccl runs on CUDA GPUs; the backend is {backend} "
+                               "(use --tp-mode in-turn there)")
+    if requested != "auto":
+        return requested
+    return "in-turn" if backend != "cuda" or visible_gpus() == 1 else "nccl"
+
+
 def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_prompt: int,
-                     decode_steps: int, k: int, seed: int, as_json: bool) -> None:
-    """layer-run --batch: the serving run (`batch_run.run_batch`) and its table; exit 1 when
-    a sequence fails."""
+                     decode_steps: int, k: int, seed: int, as_json: bool, dump, run: dict) -> None:
+    """layer-run --batch: the serving run (`batch_run.run_batch`) and its table, its stages
+    written to `dump` when given; exit 1 when a sequence fails."""
     from .batch_run import BATCH_TOL, run_batch
+    from .stages import StageRecorder, fingerprint, write_dump
     stack = load_stack(gpu, ckpt_path, max(max_prompt, n * k), [layer_idx])
+    recorder = StageRecorder() if dump is not None else None
     try:
-        checks = run_batch(gpu, stack, layer_idx, n, seed, max_prompt, decode_steps, k)
+        result = run_batch(gpu, stack, layer_idx, n, seed, max_prompt, decode_steps, k,
+                           recorder=recorder)
+        tensors = stack.checkpoint.layer_tensors(layer_idx)
     finally:
         stack.free(gpu)
+    checks = result.checks
+    if dump is not None:
+        run.update(plan=vars(RunPlan(max_prompt, decode_steps, k)),
+                   batch={"lengths": result.lengths, "slots": result.slots})
+        write_dump(dump, recorder, result.hidden, run, fingerprint(cfg, tensors))
     ok = all(c.ok for c in checks)
     if as_json:
         click.echo(_json({"backend": gpu.name, "device": gpu.device_name, "layer": layer_idx,
                           "sequences": [vars(c) | {"ok": c.ok} for c in checks],
-                          "tolerance": BATCH_TOL, "ok": ok}))
+                          "tolerance": BATCH_TOL, "ok": ok,
+                          "dump": None if dump is None else str(dump.path)}))
     else:
         click.echo(f"kdarun layer-run --batch {n}: {gpu.name} ({gpu.device_name}), layer "
                    f"{layer_idx}, {cfg.gate_form} gate; packed prefill, {decode_steps} batched "
@@ -264,6 +321,8 @@ def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_promp
                        f"{c.state_rel:>10.3e}  {'PASS' if c.ok else 'FAIL'}")
         click.echo(f"result: {'PASS' if ok else 'FAIL'}, {sum(c.ok for c in checks)} of {n} "
                    f"sequences within rel < {BATCH_TOL:g} of float64, no NaN/Inf")
+        if dump is not None:
+            click.echo(f"stages: {len(recorder.records)} written to {dump.path}")
     if not ok:
         sys.exit(1)
 
@@ -415,12 +474,35 @@ def _parse_mix(text: str) -> list[tuple[int, int]]:
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
+@click.option("--tp", "tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor parallel ranks of decode / decode-k (the preset's heads must divide "
+                   "by N).")
+@click.option("--tp-mode", type=click.Choice(TP_MODE_CHOICES), default="auto", show_default=True,
+              help="How --tp N runs: nccl (one process a GPU), in-turn (the ranks one after the "
+                   "other on one GPU, timed with one rank alone) or auto (in-turn on one GPU, "
+                   "else nccl).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, as_json) -> None:
+def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, tp, tp_mode,
+              as_json) -> None:
     """Time decode, decode_k, batched decode or verify, packed (varlen) prefill or prefill on
-    random weights and inputs (CUDA only)."""
+    random weights and inputs (CUDA only); decode and decode_k also tensor parallel."""
     from . import bench
 
+    if tp > 1:
+        if mode not in ("decode", "decode-k"):
+            raise click.UsageError(f"--tp times decode and decode-k; got --mode {mode}")
+        synthetic.preset_config(preset).check_tp(0, tp)
+        if _tp_run_mode(tp_mode, "cuda", tp) == "nccl":
+            kk = 1 if mode == "decode" else k
+            ranks = launch(tp, bench.bench_decode_rank, preset, kk, graph, 200)
+            rows = [vars(r) | {"rank": i} for i, r in enumerate(ranks)]
+            if as_json:
+                click.echo(_json({"rows": rows}))
+                return
+            click.echo(f"--tp {tp} over NCCL, a process a GPU: the group's call takes its "
+                       f"slowest rank's {max(r.us for r in ranks):.1f} us a layer")
+            click.echo(bench.results_table(rows))
+            return
     gpu = open_backend("cuda", announce=False)
     stream = gpu.create_stream()
     ceil = bench.measure_ceilings(gpu, stream)
@@ -444,6 +526,8 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, as_json) -> 
         if use_fla and mode == "decode":
             r.fla_us = bench.fla_decode_us(preset, graph)
         rows.append(vars(r) | {"vs_fla": r.fla_us / r.us if r.fla_us else None})
+        if tp > 1:  # in turn on this GPU, beside the one-rank figure above
+            rows.append(vars(bench.bench_decode_tp(gpu, preset, kk, graph, ceil, stream, tp)))
     if as_json:
         click.echo(_json({"device": gpu.device_name, "ceilings": vars(ceil), "rows": rows}))
         return

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,27 @@ class Glm5NextKdaConfig:
     @staticmethod
     def t_pad(t: int) -> int:
         return math.ceil(t / CHUNK) * CHUNK
+
+    # -- tensor parallel over heads ------------------------------------------------------------
+    def shard(self, tp_size: int) -> "Glm5NextKdaConfig":
+        """The config one of `tp_size` ranks runs: H / tp_size heads, everything else as here
+        (the low-rank gates' rank R = D and the hidden size do not shrink). Every per-rank
+        shape (weights, workspace, states) follows from it, so the kernels run unchanged."""
+        self.check_tp(0, tp_size)
+        return self if tp_size == 1 else replace(self, num_heads=self.num_heads // tp_size)
+
+    def check_tp(self, tp_rank: int, tp_size: int) -> None:
+        """Refuse a rank or group size that cannot shard this config's heads evenly."""
+        for name, v, lo in (("tp_size", tp_size, 1), ("tp_rank", tp_rank, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise KdaError(f"tensor parallel: {name} must be an integer >= {lo}, got {v!r}")
+        if self.num_heads % tp_size:
+            raise KdaError(f"tensor parallel: num_heads {self.num_heads} is not divisible by "
+                           f"tp_size {tp_size}; every rank must own the same number of heads "
+                           f"(divisors of {self.num_heads}: "
+                           f"{[d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]})")
+        if tp_rank >= tp_size:
+            raise KdaError(f"tensor parallel: tp_rank must lie in [0, {tp_size}), got {tp_rank}")
 
     # -- construction ----------------------------------------------------------------------
     @classmethod

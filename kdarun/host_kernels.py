@@ -13,6 +13,22 @@ from .config import CHUNK, L2_NORM_EPS
 from .dtypes import BF16, F32
 
 f32 = np.float32  # fp32 scalars, so NumPy keeps fp32 arithmetic
+SEG_FIELDS = 8  # kernels_cu/segments.cuh's row: chunk0, chunks, row0, rows, slot, init, every, ckpt
+
+
+def _segments(gpu, segs, nseg, t) -> list[tuple[int, ...]]:
+    """The segment table's rows (segments.cuh), or a plain prefill's one segment of t tokens."""
+    if not segs:
+        return [(0, -(-int(t) // CHUNK), 0, int(t), 0, 1, 0, 0)]
+    return [tuple(int(x) for x in r) for r in gpu.view(segs, (int(nseg), SEG_FIELDS), np.int32)]
+
+
+def _checkpoints(gpu, segs, sg) -> list[tuple[int, int]]:
+    """(tokens, slot) of a segment's checkpoints: after each `every` whole chunks of its rows."""
+    every, ckpt, rows = sg[6], sg[7], sg[3]
+    n = rows // (every * CHUNK) if every else 0
+    slots = gpu.view(segs + 4 * ckpt, n, np.int32) if n else ()
+    return [((j + 1) * every * CHUNK, int(x)) for j, x in enumerate(slots)]
 
 
 
@@ -53,8 +69,9 @@ def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_
     dense_gemv_bf16(gpu, w + 3 * qkv * K * 2, x, f_a, N - 3 * qkv, K, M, K, ldg)
     dense_gemv_bf16(gpu, f_b, f_a, g_raw, qkv, R, M, ldg, qkv)
     dense_gemv_bf16(gpu, g_b, f_a + R * 2, out_gate, qkv, R, M, ldg, qkv)
-    kda_gate_beta(gpu, g_raw, f_a + 2 * R * 2, ldg, a_log, dt_bias, gate, beta, M, M, H, D,
-                  lower_bound, bounded)
+    g = _gate_rows(gpu, g_raw, f_a + 2 * R * 2, ldg, a_log, dt_bias, M, H, D, lower_bound,
+                   bounded)
+    gpu.view(gate, (M, H, D), F32)[...], gpu.view(beta, (M, H), F32)[...] = g
 
 
 # -- qkv_parts (prefill_conv_qkv and front_end_gemv pieces) -----------------------------------
@@ -64,17 +81,30 @@ def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv, parts_rows=None):
     parts[:, :t] = gpu.view(qkv_proj, (t, 3, qkv), BF16).transpose(1, 0, 2)
 
 
-def _widen_f32(gpu, conv_out, q, k, v, t, t_pad, qkv, pad_fill):
-    X = gpu.view(conv_out, (t, 3 * qkv), BF16).astype(F32)
+def _widen_f32(gpu, conv_out, q, k, v, T, t_pad, qkv, pad_fill, segments):
+    """conv_out's packed rows widened into each segment's padded rows, pad_fill past them."""
+    X = gpu.view(conv_out, (T, 3 * qkv), BF16).astype(F32)
     for i, p in enumerate((q, k, v)):
         dst = gpu.view(p, (t_pad, qkv), F32)
-        dst[:t] = X[:, i * qkv:(i + 1) * qkv]
-        dst[t:] = pad_fill
+        for chunk0, chunks, row0, rows, *_ in segments:
+            d = dst[chunk0 * CHUNK:(chunk0 + chunks) * CHUNK]
+            d[:rows] = X[row0:row0 + rows, i * qkv:(i + 1) * qkv]
+            d[rows:] = pad_fill
 
 
 # -- gate ------------------------------------------------------------------------------------
-def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, H, D,
-                  lower_bound, bounded):
+def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, segs, nseg, t, t_pad, H,
+                  D, lower_bound, bounded):
+    g, b = _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound, bounded)
+    G, B = gpu.view(gate, (t_pad, H, D), F32), gpu.view(beta, (t_pad, H), F32)
+    G[...], B[...] = 0, 0  # padded rows: past each segment's tokens
+    for chunk0, _, row0, rows, *_ in _segments(gpu, segs, nseg, t):
+        p0 = chunk0 * CHUNK
+        G[p0:p0 + rows], B[p0:p0 + rows] = g[row0:row0 + rows], b[row0:row0 + rows]
+
+
+def _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound, bounded):
+    """The forget gate [t, H, D] and beta [t, H] of t packed rows, fp32."""
     x = gpu.view(g_raw, (t, H * D), BF16).astype(F32) + gpu.view(dt_bias, H * D, F32)
     x = x.reshape(t, H, D)
     a = np.exp(gpu.view(a_log, H, F32))[None, :, None]
@@ -84,10 +114,7 @@ def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, t, t_pad, 
         with np.errstate(over="ignore"):
             sp = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(F32)
         g = -a * sp
-    G = gpu.view(gate, (t_pad, H, D), F32)
-    G[:t], G[t:] = g, 0
-    B = gpu.view(beta, (t_pad, H), F32)
-    B[:t], B[t:] = _sigmoid(gpu.rows(b_raw, t, ldb, H, BF16).astype(F32)), 0
+    return g, _sigmoid(gpu.rows(b_raw, t, ldb, H, BF16).astype(F32))
 
 
 # -- conv ------------------------------------------------------------------------------------
@@ -109,25 +136,39 @@ def _conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
     S[...] = np.concatenate([S[1:], x[None]])
 
 
-def _conv_prefill(gpu, x, conv_state, conv_w, out, t, conv_dim, W):
-    xs = np.concatenate([gpu.view(conv_state, (W - 1, conv_dim), BF16),
-                         gpu.view(x, (t, conv_dim), BF16)]).astype(F32)
-    y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, t))
-    gpu.view(out, (t, conv_dim), BF16)[...] = y.astype(BF16)
+def _conv_state(gpu, conv_state, sg, conv_dim, W) -> np.ndarray:
+    """A segment's conv state [W-1, conv_dim] bf16, a view of its slot (zeros without initial
+    state, a copy)."""
+    S = gpu.view(conv_state + sg[4] * (W - 1) * conv_dim * 2, (W - 1, conv_dim), BF16)
+    return S if sg[5] else np.zeros_like(S)
 
 
-def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, T, T_pad,
-                     H, D, W, pad_fill):
-    qkv = H * D
+def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, segs,
+                     nseg, T, T_pad, H, D, W, pad_fill):
+    qkv, cd = H * D, 3 * H * D
+    segments = _segments(gpu, segs, nseg, T)
     _split_qkv(gpu, qkv_proj, qkv_parts, T, qkv)
-    _conv_prefill(gpu, qkv_proj, conv_state, conv_w, conv_out, T, 3 * qkv, W)
-    _l2_norm_bf16(gpu, conv_out, T, 3 * qkv, 2 * H, D)
-    _widen_f32(gpu, conv_out, q, k, v, T, T_pad, qkv, pad_fill)
+    X, w = gpu.view(qkv_proj, (T, cd), BF16), gpu.view(conv_w, (W, cd), F32)
+    for sg in segments:
+        row0, rows = sg[2], sg[3]
+        xs = np.concatenate([_conv_state(gpu, conv_state, sg, cd, W), X[row0:row0 + rows]])
+        y = _silu(_conv_taps(w, xs.astype(F32), rows))
+        gpu.view(conv_out, (T, cd), BF16)[row0:row0 + rows] = y.astype(BF16)
+    _l2_norm_bf16(gpu, conv_out, T, cd, 2 * H, D)
+    _widen_f32(gpu, conv_out, q, k, v, T, T_pad, qkv, pad_fill, segments)
 
 
-def conv_roll_state(gpu, x, conv_state, t, conv_dim, W):
-    S = gpu.view(conv_state, (W - 1, conv_dim), BF16)
-    S[...] = np.concatenate([S, gpu.view(x, (t, conv_dim), BF16)])[-(W - 1):]
+def conv_roll_state(gpu, x, conv_state, segs, nseg, T, conv_dim, W):
+    X = gpu.view(x, (T, conv_dim), BF16)
+    for sg in _segments(gpu, segs, nseg, T):
+        row0, rows = sg[2], sg[3]
+        for end, slot in _checkpoints(gpu, segs, sg):
+            if slot >= 0:
+                gpu.view(conv_state + slot * (W - 1) * conv_dim * 2, (W - 1, conv_dim),
+                         BF16)[...] = X[row0 + end - (W - 1):row0 + end]
+        S = _conv_state(gpu, conv_state, sg, conv_dim, W)
+        new = np.concatenate([S, X[row0:row0 + rows]])[-(W - 1):]
+        gpu.view(conv_state + sg[4] * (W - 1) * conv_dim * 2, (W - 1, conv_dim), BF16)[...] = new
 
 
 def _l2_norm_bf16(gpu, x, t, ld, nvec, D):
@@ -244,20 +285,31 @@ def _kda_chunk_intra(D):
 
 
 def _kda_chunk_inter(D):
-    def run(gpu, qg, kd, gl, w, u, aqk, state, core, t, t_pad, H):
-        S = gpu.view(state, (H, D, D), F32)  # [h, v, k]
-        St = S.transpose(0, 2, 1).copy()  # [h, k, v]
-        out = gpu.view(core, (t_pad, H, D), F32)
-        for ci in range(t_pad // CHUNK):
-            rows = slice(ci * CHUNK, (ci + 1) * CHUNK)
-            Qg, Wk, Kd, U = (_chunk_blocks(gpu, p, t_pad, H, CHUNK, D)[ci] for p in (qg, w, kd, u))
-            Wm = U - Wk @ St  # [H, C, Dv]
-            o = Qg @ St + _chunk_blocks(gpu, aqk, t_pad, H, CHUNK, CHUNK)[ci] @ Wm
-            valid = np.arange(ci * CHUNK, (ci + 1) * CHUNK) < t
-            out[rows] = np.where(valid[:, None, None], o.transpose(1, 0, 2), f32(0))
-            g_last = _chunk_blocks(gpu, gl, t_pad, H, D)[ci]
-            St = (g_last[:, :, None] * St + Kd.transpose(0, 2, 1) @ Wm).astype(F32)
-        S[...] = St.transpose(0, 2, 1)
+    def run(gpu, qg, kd, gl, w, u, aqk, state, core, segs, nseg, t, H):
+        segments = _segments(gpu, segs, nseg, t)
+        t_pad = (segments[-1][0] + segments[-1][1]) * CHUNK
+        out = gpu.view(core, (t, H, D), F32)
+        slot_bytes = H * D * D * 4
+        for sg in segments:
+            chunk0, chunks, row0, rows, slot, init = sg[:6]
+            ckpts = dict(_checkpoints(gpu, segs, sg))
+            S = gpu.view(state + slot * slot_bytes, (H, D, D), F32)  # [h, v, k]
+            St = S.transpose(0, 2, 1).copy() if init else np.zeros((H, D, D), F32)  # [h, k, v]
+            for i in range(chunks):
+                ci = chunk0 + i
+                Qg, Wk, Kd, U = (_chunk_blocks(gpu, p, t_pad, H, CHUNK, D)[ci]
+                                 for p in (qg, w, kd, u))
+                Wm = U - Wk @ St  # [H, C, Dv]
+                o = Qg @ St + _chunk_blocks(gpu, aqk, t_pad, H, CHUNK, CHUNK)[ci] @ Wm
+                n = min(CHUNK, rows - i * CHUNK)  # the chunk's rows of the segment's tokens
+                out[row0 + i * CHUNK:row0 + i * CHUNK + n] = o.transpose(1, 0, 2)[:n]
+                g_last = _chunk_blocks(gpu, gl, t_pad, H, D)[ci]
+                St = (g_last[:, :, None] * St + Kd.transpose(0, 2, 1) @ Wm).astype(F32)
+                slot_ck = ckpts.get((i + 1) * CHUNK, -1)
+                if slot_ck >= 0:
+                    gpu.view(state + slot_ck * slot_bytes, (H, D, D), F32)[...] = \
+                        St.transpose(0, 2, 1)
+            S[...] = St.transpose(0, 2, 1)
     return run
 
 
@@ -268,6 +320,17 @@ def gated_rmsnorm(gpu, core, out_gate, w, out, t, H, D, eps):
     n = (c * (f32(1) / np.sqrt(ms + f32(eps))) * gpu.view(w, D, F32)).astype(F32)
     g = _sigmoid(gpu.view(out_gate, (t, H * D), BF16).astype(F32))
     gpu.view(out, (t, H * D), BF16)[...] = (n.reshape(t, H * D) * g).astype(BF16)
+
+
+# -- reduce ----------------------------------------------------------------------------------
+def tp_accumulate(gpu, x, acc, n, first):
+    a = gpu.view(acc, int(n), F32)
+    xs = gpu.view(x, int(n), BF16).astype(F32)
+    a[...] = xs if first else a + xs
+
+
+def tp_round(gpu, acc, y, n):
+    gpu.view(y, int(n), BF16)[...] = gpu.view(acc, int(n), F32).astype(BF16)
 
 
 HOST_KERNELS: dict[str, dict] = {
@@ -282,4 +345,5 @@ HOST_KERNELS: dict[str, dict] = {
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "chunk_portable": {f"kda_chunk_inter_portable_d{d}": _kda_chunk_inter(d) for d in (64, 128)},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
+    "reduce": {"tp_accumulate": tp_accumulate, "tp_round": tp_round},
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5Ne
 from .dtypes import BF16, F32
 from .errors import KdaError
 
-FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm")
+FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm", "reduce")
 
 # The GPUs kdarun builds for, by compute capability (10 major + minor), with the most shared
 # memory one block may take (dynamic, opted in): the chunk kernels size their staging to it.
@@ -43,15 +44,21 @@ GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
 GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
-GEMV_BATCH_BLOCKS_PER_SM = 1  # batch GEMV blocks an SM holds
+GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds
+GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
+GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
+GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
+GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
-DECODE_BATCH_SPLIT = 1  # blocks a (sequence, head) in kda_decode_batch
+DECODE_BATCH_BLOCKS_PER_SM = 2  # kda_decode_batch blocks an SM holds (its __launch_bounds__)
+DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 PORTABLE_WALK_THREADS = 2 * WALK_ROWS  # kda_chunk_inter_portable's: a warp per 16 rows (MMA m)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
-i32, f32 = np.int32, np.float32
+SEG_FIELDS = 8  # int32 fields of a segment table row (kernels_cu/segments.cuh)
+i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
 
@@ -75,10 +82,13 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
               "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
-              "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_BATCH_SPLIT": DECODE_BATCH_SPLIT,
+              "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM,
+              "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
+              "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
+              "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
+              "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
-              "PORTABLE_WALK_THREADS": PORTABLE_WALK_THREADS,
+              "PORTABLE_WALK_THREADS": PORTABLE_WALK_THREADS, "SEG_FIELDS": SEG_FIELDS,
               "SMEM_PER_BLOCK": smem_per_block(cc)}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -124,6 +134,36 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
 
 def _cfg1d(n: int) -> LaunchConfig:
     return LaunchConfig((_blocks(n), 1, 1), (THREADS, 1, 1))
+
+
+class SegmentTable(NamedTuple):
+    """A segment table on the device (`segment_table`'s array): `count` segments over
+    `t_pad` padded rows."""
+    ptr: DevicePtr
+    count: int
+    t_pad: int
+
+
+def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np.ndarray,
+                  every: int, checkpoints: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The int32 table kernels_cu/segments.cuh reads, and the padded rows it spans, for
+    segments given as arrays of one entry each: `rows` tokens at packed row `row0`, the state in
+    pool slot `slot`, read first where `init`. Segment i takes the next ceil(rows / CHUNK)
+    chunks. With every > 0 (chunks), each segment's state after every `every` whole chunks goes
+    to the next of `checkpoints` (the segments' slots one after another, -1 skipped). Rows
+    {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints. NumPy over
+    the segments: a pack of many short sequences is planned in microseconds."""
+    rows = np.asarray(rows, np.int64)
+    chunks = -(-rows // CHUNK)
+    chunk0 = np.cumsum(chunks) - chunks
+    per = rows // (every * CHUNK) if every else np.zeros_like(rows)
+    ckpt = len(rows) * SEG_FIELDS + np.cumsum(per) - per
+    table = np.stack([chunk0, chunks, row0, rows, slot, np.asarray(init, np.int64),
+                      np.where(per > 0, every, 0), ckpt], axis=1)
+    ck = np.zeros(0, np.int64) if checkpoints is None else np.asarray(checkpoints, np.int64)
+    if len(ck) != per.sum():
+        raise KdaError(f"segment_table: {per.sum()} checkpoint slots wanted, got {len(ck)}")
+    return np.concatenate([table.reshape(-1), ck]).astype(np.int32), int(chunks.sum()) * CHUNK
 
 
 class Glm5NextKdaKernels:
@@ -174,6 +214,13 @@ class Glm5NextKdaKernels:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
+    @staticmethod
+    def _slab_cfg(rows: int, tiles: int) -> LaunchConfig:
+        """A batch GEMV's launch: a block per `tiles` tiles of the rows (the K shares are walked
+        by each warp in turn)."""
+        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles), 1, 1),
+                            (32 * GEMV_WARPS, 1, 1))
+
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
@@ -181,7 +228,8 @@ class Glm5NextKdaKernels:
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         for suffix, m0, rows in self._gemv_slabs(m):
-            self._launch("gemv", f"dense_gemv_bf16{suffix}", self._gemv_cfg(n, ks),
+            cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE) if suffix else self._gemv_cfg(n, ks)
+            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg,
                          (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
                           i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
 
@@ -204,6 +252,19 @@ class Glm5NextKdaKernels:
         cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
 
+    @functools.cached_property
+    def _front_end_batch_plan(self) -> tuple[LaunchConfig, tuple]:
+        """front_end_gemv_batch's launch shape and arguments: front_end_gemv's shares (a row's
+        sums follow them, so its bits are decode's) and the blocks of GEMV_SLAB_TILES tiles of
+        each region: f_a|g_a|b, q|k|v, f_b|g_b and beta's."""
+        c = self.cfg
+        _, (ks, ks_early, ks_gate, _, _) = self._front_end_plan
+        early_blocks = self._slab_cfg(c.gate_in_rows, GEMV_SLAB_TILES).grid[0]
+        proj_blocks = early_blocks + self._slab_cfg(c.conv_dim, GEMV_SLAB_TILES).grid[0]
+        gate_blocks = self._slab_cfg(2 * c.qkv, GEMV_SLAB_TILES).grid[0] + 1
+        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
+        return cfg, (ks, ks_early, ks_gate, i32(early_blocks), i32(proj_blocks))
+
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
@@ -216,8 +277,8 @@ class Glm5NextKdaKernels:
         orders the gates after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        cfg, shares = self._front_end_plan
         for suffix, m0, rows in self._gemv_slabs(m):
+            cfg, shares = self._front_end_batch_plan if suffix else self._front_end_plan
             at = lambda ptr, width, size=BF16.itemsize: ptr + m0 * width * size  # noqa: E731
             f4 = F32.itemsize
             self._launch("gemv", f"front_end_gemv{suffix}", cfg,
@@ -236,15 +297,21 @@ class Glm5NextKdaKernels:
         self.gpu.gemm_bf16(a, lda, w, c, ldc, m, n, k, stream)
 
     # -- element-wise ----------------------------------------------------------------------
+    @staticmethod
+    def _segments(t: int, segs: SegmentTable | None) -> tuple:
+        """A launch's (table, count, t_pad): a plain prefill's null table is one segment."""
+        return (NULL, 1, -(-t // CHUNK) * CHUNK) if segs is None else segs
+
     def kda_gate_beta(self, stream: int, g_raw: DevicePtr, b_raw: DevicePtr, ldb: int,
                       a_log: DevicePtr, dt_bias: DevicePtr, gate: DevicePtr, beta: DevicePtr,
-                      t: int, t_pad: int) -> None:
+                      t: int, segs: SegmentTable | None = None) -> None:
         """g_raw [t, qkv] bf16 -> gate [t_pad, H, D] fp32; b_raw (row stride ldb) ->
-        beta [t_pad, H]; rows >= t written as 0."""
+        beta [t_pad, H]; padded rows (past each segment's tokens) written as 0."""
         c = self.cfg
+        table, n, t_pad = self._segments(t, segs)
         self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv // 8),
-                     (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, i32(t), i32(t_pad),
-                      i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
+                     (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, table, i32(n), i32(t),
+                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
 
     # -- conv ------------------------------------------------------------------------------
     @property
@@ -255,20 +322,26 @@ class Glm5NextKdaKernels:
 
     def prefill_conv_qkv(self, stream: int, qkv_proj: DevicePtr, conv_state: DevicePtr,
                          conv_w: DevicePtr, qkv_parts: DevicePtr, conv_out: DevicePtr,
-                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float) -> None:
+                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float,
+                         segs: SegmentTable | None = None) -> None:
         """Prefill over t tokens of qkv_proj [t, conv_dim] (the projection's q|k|v): its copy
         qkv_parts [3, t, qkv], conv_out (conv + SiLU to bf16, then q/k L2 normalised to bf16
-        again) and its fp32 widening q/k/v [t_pad, qkv] with rows >= t set to pad_fill; then
-        the conv state [W-1, conv_dim] rolls to the last W-1 input rows."""
+        again) and its fp32 widening q/k/v [t_pad, qkv] with padded rows set to pad_fill; then
+        the conv state [W-1, conv_dim] rolls to the last W-1 input rows. With `segs`, each
+        segment convolves its own rows from its slot of conv_state [slots, W-1, conv_dim]
+        (or zeros), writes its state back there and its checkpoints' to their slots."""
         c = self.cfg
-        t_pad = c.t_pad(t)
+        table, n, t_pad = self._segments(t, segs)
         threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
         self._launch("conv", self.prefill_conv_name, _cfg1d(threads),
-                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, i32(t),
-                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
+                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, table, i32(n),
+                      i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
                       f32(pad_fill)), stream)
-        self._launch("conv", "conv_roll_state", _cfg1d(c.conv_dim),
-                     (qkv_proj, conv_state, i32(t), i32(c.conv_dim), i32(c.conv_kernel)), stream)
+        self._launch("conv", "conv_roll_state",
+                     LaunchConfig((_blocks(c.conv_dim), n, 1), (THREADS, 1, 1)),
+                     (qkv_proj, conv_state, table, i32(n), i32(t), i32(c.conv_dim),
+                      i32(c.conv_kernel)),
+                     stream)
 
     # -- core ------------------------------------------------------------------------------
     def kda_decode_rows(self, stream: int, x: DevicePtr, conv_state: DevicePtr,
@@ -303,19 +376,29 @@ class Glm5NextKdaKernels:
         on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
         conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
-        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row runs
-        kda_decode_rows' code, so a sequence's bits do not depend on its batch."""
+        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
+        kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
+        batch splits each head's state rows over more blocks (`_batch_split`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        cfg = LaunchConfig((c.num_heads, DECODE_BATCH_SPLIT, nseq), (4 * c.head_dim, 1, 1))
+        cfg = LaunchConfig((c.num_heads, self._batch_split(nseq), nseq), (2 * c.head_dim, 1, 1))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
                       sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
                       i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    def _batch_split(self, nseq: int) -> int:
+        """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
+        while the launch would not fill the SMs once, so a small batch's state still streams
+        through every SM (a state row's update does not depend on the block that owns it)."""
+        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_BLOCKS_PER_SM
+        while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
+            split *= 2
+        return split
 
     @staticmethod
     def _rows_check(name: str, nrows: int, nsnap: int) -> None:
@@ -346,19 +429,25 @@ class Glm5NextKdaKernels:
 
     def kda_chunk_inter(self, stream: int, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
                         w: DevicePtr, u: DevicePtr, aqk: DevicePtr, state: DevicePtr,
-                        core: DevicePtr, t: int) -> None:
+                        core: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
-        [t_pad, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one
-        warpgroup on warpgroup MMAs (the Hopper walk), or a warp per 16 rows on mma.sync (the
-        portable walk), as `self.core` says."""
+        [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one warpgroup on
+        warpgroup MMAs (the Hopper walk), or a warp per 16 rows on mma.sync (the portable walk),
+        as `self.core` says. With `segs` each segment walks its chunks from state [slots, H, Dv,
+        Dk] at its slot (zero without initial state), writes the state back there and to its
+        checkpoints' slots, and its core rows at its packed rows."""
         c = self.cfg
-        D, t_pad, H = c.head_dim, c.t_pad(t), c.num_heads
+        D, H = c.head_dim, c.num_heads
+        table, n, _ = self._segments(t, segs)
+        # segments share a block's walk in turn: as many blocks as one wave holds (a block an
+        # SM), each a stream of chunks, where more would wait for a second wave
+        z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
         family, threads = (("chunk_portable", PORTABLE_WALK_THREADS) if self.core == "portable"
                            else ("chunk", WALK_THREADS))
         self._launch(family, self.chunk_inter_name,
-                     LaunchConfig((H, D // WALK_ROWS, 1), (threads, 1, 1)),
-                     (qg, kd, gl, w, u, aqk, state, core, i32(t), i32(t_pad), i32(H)), stream)
+                     LaunchConfig((H, D // WALK_ROWS, z), (threads, 1, 1)),
+                     (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,
@@ -372,3 +461,21 @@ class Glm5NextKdaKernels:
                      (core, out_gate, w, out, i32(t), i32(c.num_heads), i32(c.head_dim),
                       f32(c.rms_norm_eps)), stream)
 
+    # -- tensor parallel ---------------------------------------------------------------------
+    def tp_accumulate(self, stream: int, x: DevicePtr, acc: DevicePtr, n: int,
+                      first: bool) -> None:
+        """acc[n] fp32 = x[n] bf16 widened (first) or acc + x: one rank's partial final_out
+        added to the group's fp32 sum."""
+        self._tp_check("tp_accumulate", n)
+        self._launch("reduce", "tp_accumulate", _cfg1d(n // 8), (x, acc, i64(n), i32(first)),
+                     stream)
+
+    def tp_round(self, stream: int, acc: DevicePtr, y: DevicePtr, n: int) -> None:
+        """y[n] bf16 = acc[n] fp32 rounded to nearest even: the group's sum, rounded once."""
+        self._tp_check("tp_round", n)
+        self._launch("reduce", "tp_round", _cfg1d(n // 8), (acc, y, i64(n)), stream)
+
+    @staticmethod
+    def _tp_check(name: str, n: int) -> None:
+        if n < 8 or n % 8:
+            raise KdaError(f"{name}: need a positive multiple of 8 elements, got {n}")

@@ -21,7 +21,7 @@ from .backend import DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
-from .kernels import Glm5NextKdaKernels
+from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
 from .weights import Glm5NextKdaWeights
@@ -42,9 +42,27 @@ class Step(NamedTuple):
 
 
 @dataclass(frozen=True)
+class SeqRows:
+    """Where each sequence of a batched call sits in the row buffers: sequence `ids[i]` (its
+    index in the caller's batch) has rows `rows[i]` = (start, stop) in the token buffers and
+    `padded[i]` in those numbered by chunks (`BufferSpec.padded`: a packed prefill starts
+    each sequence at its own chunk)."""
+    ids: tuple[int, ...]
+    rows: tuple[tuple[int, int], ...]
+    padded: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def uniform(b: int, k: int) -> "SeqRows":
+        """b sequences of k rows each, one after the other in every buffer (batched decode)."""
+        r = tuple((i * k, (i + 1) * k) for i in range(b))
+        return SeqRows(tuple(range(b)), r, r)
+
+
+@dataclass(frozen=True)
 class Stage:
     """One buffer as a step left it: `shape` rows at `ptr`, of which the first `valid_rows`
-    (along axis `row_axis`) belong to the run; the rest is padding."""
+    (along axis `row_axis`) belong to the run; the rest is padding. In a batched call
+    sequence `seq_ids[i]` has rows `seq_rows[i]` = (start, stop) along `row_axis`."""
     name: str
     kernel: str
     ptr: DevicePtr
@@ -53,6 +71,8 @@ class Stage:
     valid_rows: int
     row_axis: int = 0
     layout: str = ""  # the axes, row-major, e.g. "[T_pad, H, D]"
+    seq_rows: tuple[tuple[int, int], ...] = ()
+    seq_ids: tuple[int, ...] = ()  # the sequences seq_rows belong to
 
 
 StageHook = Callable[[Stage, GpuBackend, int], None]
@@ -86,23 +106,28 @@ class Glm5NextKdaLayer:
 
     # -- running a table -----------------------------------------------------------------
     def run_steps(self, gpu: GpuBackend, steps: Sequence[Step], t: int,
-                  state: KdaSeqState | None, ws: Glm5NextKdaWorkspace, stream: int) -> None:
+                  state: KdaSeqState | None, ws: Glm5NextKdaWorkspace, stream: int,
+                  seqs: SeqRows | None = None) -> None:
         """Enqueue `steps` in order for a call of t rows (`state` None where no step touches
-        it); the stage hook, if any, sees each public buffer a step writes right after it."""
+        it; `seqs` where each sequence's rows are in a batched call); the stage hook, if any,
+        sees each public buffer a step writes right after it."""
         for step in steps:
             step.run(stream)
             if self.stage_hook is not None:
                 for name in step.writes:
-                    stage = self._stage(name, step.kernel, t, state, ws)
+                    stage = self._stage(name, step.kernel, t, state, ws, seqs)
                     if stage is not None:
                         self.stage_hook(stage, gpu, stream)
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
-               ws: Glm5NextKdaWorkspace) -> Stage | None:
+               ws: Glm5NextKdaWorkspace, seqs: SeqRows | None = None) -> Stage | None:
         """The buffer a `Step.writes` name denotes in a call of t rows; None for private
-        scratch, which stage dumps do not show."""
+        scratch, which stage dumps do not show, and for a state with no `state` (a batched
+        call's states are in its pool, which its caller reads)."""
         is_state, base, row = _WRITE.fullmatch(name).groups()
         cfg = self.cfg
+        if is_state and state is None:
+            return None
         if is_state:
             shape, dtype, layout, valid = ((recurrent_shape(cfg), F32, RECURRENT_LAYOUT,
                                             cfg.num_heads) if base == "recurrent" else
@@ -117,13 +142,16 @@ class Glm5NextKdaLayer:
         if not spec.public:
             return None
         shape, ptr = ws.shape(base, t), ws.ptr(base)
+        if seqs is not None and spec.padded:  # a packed call's chunks may pad each sequence
+            shape = spec.shape(cfg, t, max(stop for _, stop in seqs.padded))
         if row is not None:  # one row of a per-token buffer
             r = int(row)
             ptr += r * int(np.prod(shape[1:])) * spec.dtype.itemsize
             return Stage(name, kernel, ptr, (1,) + shape[1:], spec.dtype, 1, 0, spec.layout)
         axis = 1 if base == "qkv_parts" else 0
+        groups = () if seqs is None else seqs.padded if spec.padded else seqs.rows
         return Stage(name, kernel, ptr, shape, spec.dtype, min(t, shape[axis]), axis,
-                     spec.layout)
+                     spec.layout, groups, () if seqs is None else seqs.ids)
 
     # -- decode ----------------------------------------------------------------------------
     def _front_end_step(self, hidden: DevicePtr, t: int, ws: Glm5NextKdaWorkspace) -> Step:
@@ -252,7 +280,8 @@ class Glm5NextKdaLayer:
         hidden], sequence i's states read from and written back to pool slot slots[i]. Each
         sequence's outputs and states are bit-identical to `decode` on the same state."""
         self._check_batch("decode_batch", b, 1, slots, pool, ws)
-        self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream)
+        self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream,
+                       SeqRows.uniform(b, 1))
 
     def verify_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, k: int, slots: DevicePtr,
                      pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
@@ -267,7 +296,7 @@ class Glm5NextKdaLayer:
             raise KdaError(f"verify_batch: snapshot_slots must be a device pointer to int32 "
                            f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
         self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
-                       b * k, None, ws, stream)
+                       b * k, None, ws, stream, SeqRows.uniform(b, k))
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill_steps(self, hidden: DevicePtr, t: int, state: KdaSeqState,
@@ -275,7 +304,23 @@ class Glm5NextKdaLayer:
         """One prefill over t tokens of hidden [t, hidden] bf16, step by step. q|k|v go
         straight into qkv_proj, where the conv reads them: a second GEMM for the few hundred
         gate_in columns re-reads hidden, but the conv copies no q|k|v."""
+        return self._prefill_steps(hidden, t, state.conv, state.recurrent, ws, pad_fill, None)
+
+    def packed_steps(self, hidden: DevicePtr, t: int, pool: KdaStatePool,
+                     ws: Glm5NextKdaWorkspace, segs: SegmentTable) -> list[Step]:
+        """prefill's steps over t packed rows of hidden [t, hidden] bf16 holding the segments
+        of the device table `segs` (kernels.segment_table), their states in `pool`: the GEMMs,
+        the norm and o_proj run over the t packed rows; gate_beta, the conv and the chunk
+        kernels over the segments' chunks, padded rows zero (exact no-ops of the WY form)."""
+        return self._prefill_steps(hidden, t, pool.conv, pool.recurrent, ws, 0.0, segs)
+
+    def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
+                       rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
+                       segs: SegmentTable | None) -> list[Step]:
         c, w, kn = self.cfg, self.weights, self.kernels
+        # a plain prefill's states are the caller's; a packed one's, the pool's slots
+        state_writes = (("state.conv",), ("state.recurrent",)) if segs is None else ((), ())
+        t_chunks = t if segs is None else segs.t_pad  # the intra kernel reads every padded row
         gate_in = ws.ptr("gate_in")
         f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize
                            for p in ("f_a", "g_a", "b"))
@@ -297,18 +342,18 @@ class Glm5NextKdaLayer:
                                         c.qkv, c.rank), gemm=True),
             Step("gate_beta", "kda_gate_beta", ("gate", "beta"),
                  lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                                            w.dt_bias, ws.gate, ws.beta, t, c.t_pad(t))),
+                                            w.dt_bias, ws.gate, ws.beta, t, segs)),
             Step("conv", f"{kn.prefill_conv_name}, conv_roll_state",
-                 ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", "state.conv"),
-                 lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, state.conv, w.conv_w,
+                 ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", *state_writes[0]),
+                 lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, conv_state, w.conv_w,
                                                ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32,
-                                               ws.v_f32, t, pad_fill)),
+                                               ws.v_f32, t, pad_fill, segs)),
             Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}",
                  tuple(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk")),
                  lambda s: kn.kda_chunk_intra(s, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta,
-                                              *chunk, t)),
-            Step("chunk_inter", kn.chunk_inter_name, ("core", "state.recurrent"),
-                 lambda s: kn.kda_chunk_inter(s, *chunk, state.recurrent, ws.core, t)),
+                                              *chunk, t_chunks)),
+            Step("chunk_inter", kn.chunk_inter_name, ("core", *state_writes[1]),
+                 lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
                  lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,
                                             t)),
@@ -358,8 +403,14 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     [T_total, hidden] bf16 at its own rows. With checkpoint_every = n (a multiple of CHUNK, at
     most the workspace's max_tokens) the state after each n tokens of sequence i goes to pool
     slot checkpoint_slots[i][j] (after (j+1) n tokens; -1 skips one), one slot for each whole
-    n tokens of it. Each sequence runs as its own prefill (windows of n tokens, or of
-    max_tokens), so its rows and states are those of `prefill` on it alone."""
+    n tokens of it. Slots no sequence names keep their bytes.
+
+    The sequences run together: each is a segment of its own chunks (kernels_cu/segments.cuh),
+    so the GEMMs, the norm and o_proj run once over the packed rows and one walk carries every
+    segment's state. A pack larger than the workspace runs in windows of up to max_tokens
+    rows (and its padded chunks), a sequence longer than that in pieces carrying its state
+    through its slot. Each sequence's rows and states are those of `prefill` on it alone, bit
+    for bit, given the same GEMM outputs (a GEMM over more rows may round a row differently)."""
     n_seq = len(slots)
     bounds = [int(c) for c in cu_seqlens]
     if len(bounds) != n_seq + 1 or len(has_initial_state) != n_seq or n_seq < 1:
@@ -371,7 +422,6 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                        f"sequence, got {bounds}")
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
-    window = ws.max_tokens()
     if checkpoint_every:
         if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
@@ -382,16 +432,58 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
-        window = checkpoint_every
+    # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
+    # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
+    # sequence; a piece after the first starts from the state its predecessor left in the slot.
+    step = checkpoint_every or min(CHUNK, ws.max_tokens())
+    piece = ws.max_tokens() // step * step
+    length = np.asarray(lengths, np.int64)
+    count = -(-length // piece)
+    seq = np.repeat(np.arange(n_seq), count)
+    p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
+    p_rows = np.minimum(piece, length[seq] - p0)
+    p_row0 = np.asarray(bounds[:-1], np.int64)[seq] + p0
+    p_slot = np.asarray(slots, np.int64)[seq]
+    p_init = np.asarray(has_initial_state, bool)[seq] | (p0 > 0)
+    every = checkpoint_every // CHUNK
+    ck = (np.concatenate([np.asarray(c, np.int64) for c in checkpoint_slots])
+          if checkpoint_every else None)
+    ck_at = np.concatenate([[0], np.cumsum(p_rows // checkpoint_every)]) if ck is not None \
+        else None
+    # Windows: runs of pieces within max_tokens rows and the workspace's padded rows, a
+    # sequence's next piece always in the next window
+    cum_rows = np.concatenate([[0], np.cumsum(p_rows)])
+    cum_pad = np.concatenate([[0], np.cumsum(-(-p_rows // CHUNK) * CHUNK)])
+    later = np.flatnonzero(p0 > 0)
+    k, n_pieces = 0, len(seq)
+    while k < n_pieces:
+        end = int(min(np.searchsorted(cum_rows, cum_rows[k] + ws.max_tokens(), "right") - 1,
+                      np.searchsorted(cum_pad, cum_pad[k] + ws.t_pad(), "right") - 1,
+                      *later[np.searchsorted(later, k, "right"):][:1], n_pieces))
+        w = slice(k, end)
+        table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
+                                     every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
+        seqs = None
+        if layer.stage_hook is not None:  # each piece's rows, for the stage dumps
+            r0, p0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
+            seqs = SeqRows(tuple(int(i) for i in seq[w]),
+                           tuple((int(a), int(a + n)) for a, n in zip(r0, p_rows[w])),
+                           tuple((int(a), int(a + n)) for a, n in zip(p0, p_rows[w])))
+        _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
+                    table, end - k, t_pad, pool, ws, out, stream, seqs)
+        k = end
+
+
+def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,
+                rows: int, table: np.ndarray, nseg: int, t_pad: int, pool: KdaStatePool,
+                ws: Glm5NextKdaWorkspace, out: DevicePtr, stream: int,
+                seqs: SeqRows | None) -> None:
+    """One window of a packed prefill: packed rows [start, start + rows) of hidden holding the
+    nseg segments of `table` (kernels.segment_table, rows from start) over t_pad padded rows;
+    their final_out rows go to out's. `seqs`: where the stage hook finds each sequence."""
+    gpu.copy_h2d(ws.ptr("segments"), table, stream)
+    segs = SegmentTable(ws.ptr("segments"), nseg, t_pad)
     row = layer.cfg.hidden_size * BF16.itemsize
-    for i, (start, length) in enumerate(zip(bounds, lengths)):
-        state = pool.state(slots[i])
-        if not has_initial_state[i]:
-            pool.zero([slots[i]], stream)
-        for w0 in range(0, length, window):
-            n = min(window, length - w0)
-            layer.prefill(gpu, hidden + (start + w0) * row, n, state, ws, stream)
-            gpu.copy_d2d(out + (start + w0) * row, ws.final_out, n * row, stream)
-            j = (w0 + n) // window - 1
-            if checkpoint_every and n == window and checkpoint_slots[i][j] >= 0:
-                pool.copy(slots[i], checkpoint_slots[i][j], stream)
+    layer.run_steps(gpu, layer.packed_steps(hidden + start * row, rows, pool, ws, segs), rows,
+                    None, ws, stream, seqs)
+    gpu.copy_d2d(out + start * row, ws.final_out, rows * row, stream)

@@ -20,13 +20,16 @@ from .workspace import Glm5NextKdaWorkspace, workspace_nbytes
 @dataclass(repr=False)
 class KdaStack(DeviceOwner):
     """Every bound KDA layer of a checkpoint (keyed by 0-based layer_idx) and the one
-    workspace they share. After `free` the stack, its layers and its workspace refuse every
-    use."""
+    workspace they share; under tensor parallelism, rank `tp_rank` of `tp_size`'s share of
+    them, `cfg` then that rank's config (`Glm5NextKdaConfig.shard`). After `free` the stack,
+    its layers and its workspace refuse every use."""
     cfg: Glm5NextKdaConfig
     kernels: Glm5NextKdaKernels
     workspace: Glm5NextKdaWorkspace
     layers: dict[int, Glm5NextKdaLayer]
     checkpoint: Checkpoint
+    tp_rank: int = 0
+    tp_size: int = 1
 
     _DEVICE_ATTRS = ("workspace", "layers")
 
@@ -51,13 +54,17 @@ def release_bound(gpu: GpuBackend, layers: Iterable[Glm5NextKdaLayer],
 
 
 def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
-               layers: Iterable[int] | None = None, stream: int = 0) -> KdaStack:
+               layers: Iterable[int] | None = None, stream: int = 0, tp_rank: int = 0,
+               tp_size: int = 1) -> KdaStack:
     """Open the checkpoint at `path`, upload the KDA layers (all, or the 0-based `layers`)
-    and bind them with one kernel set and one workspace of `max_tokens` tokens. Everything
-    is checked (the layers, the device memory the workspace and weights need) before
-    anything is allocated."""
+    and bind them with one kernel set and one workspace of `max_tokens` tokens. With
+    tp_size > 1, only rank `tp_rank`'s share of each layer is read and uploaded, and the
+    stack runs that rank's config (H / tp_size heads). Everything is checked (the layers,
+    the sharding, the device memory the workspace and weights need) before anything is
+    allocated."""
     ckpt = Checkpoint(path)
-    cfg = ckpt.config
+    ckpt.config.check_tp(tp_rank, tp_size)
+    cfg = ckpt.config.shard(tp_size)
     max_tokens = check_int(max_tokens, "load_stack: max_tokens", 1)
     wanted = list(cfg.kda_layers if layers is None else layers)
     for i in wanted:
@@ -71,9 +78,10 @@ def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
     bound: dict[int, Glm5NextKdaLayer] = {}
     try:
         for i in wanted:
-            weights = Glm5NextKdaWeights.upload(gpu, cfg, ckpt.layer_tensors(i), stream)
+            weights = Glm5NextKdaWeights.upload(gpu, cfg, ckpt.layer_tensors(i, tp_rank, tp_size),
+                                                stream)
             bound[i] = Glm5NextKdaLayer(i, cfg, weights, kernels)
     except BaseException:  # a layer refused (NaN, a bad tensor): give back what was bound
         release_bound(gpu, bound.values(), ws)
         raise
-    return KdaStack(cfg, kernels, ws, bound, ckpt)
+    return KdaStack(cfg, kernels, ws, bound, ckpt, tp_rank, tp_size)

@@ -14,12 +14,14 @@ import numpy as np
 
 from . import reference, synthetic
 from .backend import GpuBackend
+from .checkpoint import Checkpoint
 from .config import MAX_DECODE_ROWS
 from .dtypes import BF16
 from .errors import KdaError, check_int
 from .files import PendingFile
-from .loader import KdaStack
+from .loader import KdaStack, load_stack
 from .state import KdaSeqState, conv_shape, recurrent_shape
+from .tp import NcclComm, TpGroup, join_conv, join_recurrent, launch
 
 OUTPUT_SUFFIXES = (".npy", ".safetensors")
 _NPY_MAGIC = b"\x93NUMPY"
@@ -146,49 +148,124 @@ def run_layer(gpu: GpuBackend, stack: KdaStack, layer_idx: int, hidden: np.ndarr
               plan: RunPlan, stream: int = 0, recorder=None) -> RunResult:
     """Run `plan` through one layer from a zero state; hidden [>= plan.total, hidden] bf16.
     A `recorder` (stages.StageRecorder) sees every stage, keyed by call."""
+    group = TpGroup.of(gpu, [stack], layer_idx, max_rows=1)
+    try:
+        return run_group(gpu, group, hidden, plan, stream, recorder)
+    finally:
+        group.free()
+
+
+def run_group(gpu: GpuBackend, group: TpGroup, hidden: np.ndarray, plan: RunPlan,
+              stream: int = 0, recorder=None) -> RunResult:
+    """Run `plan` through the ranks of a tensor parallel group this process holds (one
+    layer: a group of one) from zero states; hidden [>= plan.total, hidden] bf16. The
+    result's states join the held ranks' (`tp.join_recurrent`, `tp.join_conv`). A
+    `recorder` (stages.StageRecorder, a group of one only) sees every stage, keyed by call."""
     plan.check()
-    layer, ws, cfg = stack.layer(layer_idx), stack.workspace, stack.cfg
+    ws0, cfg = group.ranks[0][1], group.cfg
+    if recorder is not None and group.tp_size > 1:
+        raise KdaError("run: stage dumps show one layer's buffers; a tensor parallel rank's "
+                       "are partial (run with tp_size 1 to dump stages)")
     if hidden.shape[0] < plan.total:
         raise KdaError(f"run: {plan.total} tokens planned but only {hidden.shape[0]} hidden rows")
     hidden = np.ascontiguousarray(hidden[:plan.total].astype(BF16))
     h_dev = gpu.upload(hidden, stream)
     row = cfg.hidden_size * BF16.itemsize
-    state = KdaSeqState(gpu, cfg, stream)
+    states = [KdaSeqState(gpu, cfg, stream) for _ in group.ranks]
     outs: list[np.ndarray] = []
     wall: dict[str, float] = {}
-    layer.stage_hook = recorder
+    layers = [layer for layer, _ in group.ranks]
+    layers[0].stage_hook = recorder
     try:
         def timed(phase: str, fn, n_out: int, call: str) -> None:
             if recorder is not None:
                 recorder.begin(call)
-            ws.poison(stream)
+            for _, ws in group.ranks:
+                ws.poison(stream)
             gpu.synchronize(stream)
             t0 = time.perf_counter()
             fn()
             gpu.synchronize(stream)
             wall[phase] = wall.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
-            outs.append(ws.read("final_out", n_out, stream))
+            outs.append(ws0.read("final_out", n_out, stream))
 
         pos = 0
         if plan.prefill:
-            timed("prefill", lambda: layer.prefill(gpu, h_dev, plan.prefill, state, ws, stream),
+            timed("prefill", lambda: group.prefill(gpu, h_dev, plan.prefill, states, stream),
                   plan.prefill, "prefill")
             pos = plan.prefill
         for i in range(plan.decode_steps):
             p = pos
-            timed("decode", lambda: layer.decode(gpu, h_dev + p * row, state, ws, stream), 1,
+            timed("decode", lambda: group.decode(gpu, h_dev + p * row, states, stream), 1,
                   f"decode.{i}")
             pos += 1
         if plan.k:
             p = pos
-            timed("decode_k", lambda: layer.decode_k(gpu, h_dev + p * row, plan.k, state, ws, (),
+            timed("decode_k", lambda: group.decode_k(gpu, h_dev + p * row, plan.k, states, None,
                                                      stream), plan.k, "decode_k")
-        rec, conv = state.download(stream)
+        got = [st.download(stream) for st in states]
     finally:
-        layer.stage_hook = None
-        state.free()
+        layers[0].stage_hook = None
+        for st in states:
+            st.free()
         gpu.free(h_dev)
-    return RunResult(np.concatenate(outs), rec, conv, wall)
+    return RunResult(np.concatenate(outs), join_recurrent([r for r, _ in got]),
+                     join_conv([c for _, c in got]), wall)
+
+
+TP_MODES = ("in-turn", "nccl")
+
+
+def run_tp(gpu: GpuBackend | None, ckpt_path: str | Path, layer_idx: int, hidden: np.ndarray,
+           plan: RunPlan, tp_size: int, mode: str = "in-turn") -> RunResult:
+    """Run `plan` through layer `layer_idx` of the checkpoint split over `tp_size` ranks by
+    heads (`kdarun.tp`), from zero states: `in-turn`, every rank on `gpu` one after the
+    other; `nccl`, one process a GPU (`gpu` unused: each rank opens its own), their results
+    gathered. Either way final_out is the group's output and the states the ranks' joined,
+    so the result compares with a single-GPU run's. Wall times are the slowest rank's."""
+    plan.check()
+    if mode not in TP_MODES:
+        raise KdaError(f"run: tensor parallel mode must be one of {TP_MODES}, got {mode!r}")
+    if mode == "nccl":
+        ranks = launch(tp_size, run_tp_rank, str(ckpt_path), layer_idx, hidden, plan)
+        for r, res in enumerate(ranks[1:], 1):
+            if res.final_out.tobytes() != ranks[0].final_out.tobytes():
+                raise KdaError(f"run: tp rank {r}'s final_out differs from rank 0's after the "
+                               "all-reduce, which gives every rank the same sum")
+        wall = {p: max(res.wall_ms[p] for res in ranks) for p in ranks[0].wall_ms}
+        return RunResult(ranks[0].final_out, join_recurrent([r.recurrent_state for r in ranks]),
+                         join_conv([r.conv_state for r in ranks]), wall)
+    stacks: list[KdaStack] = []
+    try:
+        for r in range(tp_size):
+            stacks.append(load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx],
+                                     0, r, tp_size))
+        group = TpGroup.of(gpu, stacks, layer_idx, max_rows=max(plan.prefill, plan.k, 1))
+        try:
+            return run_group(gpu, group, hidden, plan)
+        finally:
+            group.free()
+    finally:
+        for s in stacks:
+            s.free(gpu)
+
+
+def run_tp_rank(gpu: GpuBackend, comm: NcclComm, ckpt_path: str, layer_idx: int,
+                hidden: np.ndarray, plan: RunPlan) -> RunResult:
+    """One NCCL rank of `run_tp`: its share of the layer, its states, the group's output."""
+    rows = max(plan.prefill, plan.k, 1)
+    stack = load_stack(gpu, ckpt_path, rows, [layer_idx], 0, comm.rank, comm.size)
+    gpu.synchronize(0)  # the uploads and zeroing ran on the legacy stream, which ours skips
+    stream = gpu.create_stream()
+    try:
+        group = TpGroup.of(gpu, [stack], layer_idx, comm, rows)
+        try:
+            return run_group(gpu, group, hidden, plan, stream)
+        finally:
+            group.free()
+    finally:
+        gpu.destroy_stream(stream)
+        stack.free(gpu)
 
 
 @dataclass
@@ -217,10 +294,18 @@ def compare(out: np.ndarray, ref: np.ndarray) -> ErrorReport:
 
 def reference_run(stack: KdaStack, layer_idx: int, hidden: np.ndarray,
                   tensors: dict[str, np.ndarray] | None = None) -> reference.ReferenceRun:
-    """The float64 reference over the same tokens from a zero state, on the layer's
-    `tensors` (default: read from the stack's checkpoint)."""
-    cfg = stack.cfg
+    """The float64 reference of the whole layer (also for a tensor parallel rank's stack)
+    over the same tokens from a zero state, on the layer's `tensors` (default: read whole
+    from the stack's checkpoint)."""
+    return reference_of(stack.checkpoint, layer_idx, hidden, tensors)
+
+
+def reference_of(ckpt: Checkpoint, layer_idx: int, hidden: np.ndarray,
+                 tensors: dict[str, np.ndarray] | None = None) -> reference.ReferenceRun:
+    """The float64 reference of layer `layer_idx` of `ckpt` over `hidden` from a zero state,
+    on `tensors` (default: the layer's, read whole)."""
+    cfg = ckpt.config
     if tensors is None:
-        tensors = stack.checkpoint.layer_tensors(layer_idx)
+        tensors = ckpt.layer_tensors(layer_idx)
     return reference.layer(cfg, tensors, hidden, np.zeros(recurrent_shape(cfg)),
                            np.zeros(conv_shape(cfg)))

@@ -8,7 +8,10 @@ written). The fingerprint (digests of the checkpoint's KDA config and of the lay
 lets a comparison tell a checkpoint that changed since the dump from a kernel that went wrong.
 Stage keys are `<call>/<buffer>`: calls are `prefill`, `decode.<i>` and `decode_k`; per-token
 buffers of the stateful decode walk carry their row, `conv_out[2]`; states are
-`state.recurrent` and `state.conv`.
+`state.recurrent` and `state.conv`. A serving run (`layer-run --batch N`) keys each sequence's
+rows of a batched call apart, `seq<i>.<call>/<buffer>` with calls `prefill` (the packed
+prefill), `decode.<j>` (batched decodes) and `verify`, its states read from its pool slot
+after each call; its input is every sequence's rows, one sequence after the other.
 """
 
 from __future__ import annotations
@@ -73,13 +76,28 @@ class StageRecorder:
 
     def __call__(self, stage: Stage, gpu: GpuBackend, stream: int) -> None:
         full = gpu.download(stage.ptr, stage.shape, stage.dtype, stream)
-        valid = np.take(full, np.arange(stage.valid_rows), axis=stage.row_axis)
-        key = f"{self.call}/{stage.name}"
+        if not stage.seq_rows:
+            self.record(f"{self.call}/{stage.name}", stage.kernel,
+                        np.take(full, np.arange(stage.valid_rows), axis=stage.row_axis),
+                        stage.row_axis, stage.layout)
+        for i, (start, stop) in zip(stage.seq_ids, stage.seq_rows):
+            rows = np.take(full, np.arange(start, stop), axis=stage.row_axis)
+            key = f"seq{i}.{self.call}/{stage.name}"
+            if key not in self.arrays:
+                self.record(key, stage.kernel, rows, stage.row_axis, stage.layout)
+                continue
+            # a later piece of a sequence longer than a window: its rows follow, in place
+            whole = np.concatenate([self.arrays[key], rows], axis=stage.row_axis)
+            self.arrays[key] = whole
+            next(r for r in self.records if r.key == key).shape = list(whole.shape)
+
+    def record(self, key: str, kernel: str, a: np.ndarray, row_axis: int, layout: str) -> None:
+        """Keep `a` as stage `key` (`<call>/<buffer>`), in the order written."""
         if key in self.arrays:
             raise KdaError(f"stage {key} written twice in one call")
-        self.arrays[key] = np.ascontiguousarray(valid)
-        self.records.append(StageRecord(key, stage.kernel, list(valid.shape),
-                                        str(np.dtype(stage.dtype)), stage.row_axis, stage.layout))
+        self.arrays[key] = np.ascontiguousarray(a)
+        self.records.append(StageRecord(key, kernel, list(a.shape), str(a.dtype), row_axis,
+                                        layout))
 
 
 def config_digest(cfg: Glm5NextKdaConfig) -> str:
@@ -180,6 +198,10 @@ def _check_manifest(path: Path, m: Any) -> Glm5NextKdaConfig:
         RunPlan(**plan).check()
     except (TypeError, KdaError):
         raise bad("run.plan", "{prefill, decode_steps, k} token counts", plan) from None
+    if "batch" in run:
+        lengths = need(need(run, "batch", dict, "run."), "lengths", list, "run.batch.")
+        if not lengths or not all(isinstance(n, int) and n >= 1 for n in lengths):
+            raise bad("run.batch.lengths", "a list of prompt lengths >= 1", lengths)
     need(run, "layer", int, "run.")
     ckpt = need(run, "checkpoint", dict, "run.")
     if "demo" in ckpt:
@@ -225,13 +247,23 @@ def load_dump(path: str | Path) -> Dump:
     hidden = tensors.get(INPUT_KEY)
     if hidden is None:
         raise KdaError(f"dump {path}: the run's input ({INPUT_KEY}) is missing")
-    total = RunPlan(**manifest["run"]["plan"]).total
+    total = input_rows(manifest["run"])
     if hidden.ndim != 2 or hidden.shape[0] < total or hidden.shape[1] != cfg.hidden_size:
         raise KdaError(f"dump {path}: the run's input is {list(hidden.shape)}, expected "
                        f"[{total}, {cfg.hidden_size}] for its plan and config")
     if _sha(hidden) != manifest["input_sha256"]:
         raise KdaError(f"dump {path}: the stored input does not match the manifest's checksum")
     return Dump(path, manifest, tensors)
+
+
+def input_rows(run: dict[str, Any]) -> int:
+    """The input rows a run takes: its plan's tokens, or in a serving run (`run["batch"]`)
+    every sequence's prompt, decode and verify rows."""
+    plan = RunPlan(**run["plan"])
+    if "batch" not in run:
+        return plan.total
+    lengths = run["batch"]["lengths"]
+    return sum(lengths) + len(lengths) * (plan.decode_steps + plan.k)
 
 
 # -- the float64 reference of every stage of a run --------------------------------------------
@@ -271,6 +303,33 @@ def reference_stages(cfg: Glm5NextKdaConfig, tensors: dict, hidden: np.ndarray,
             rows.append(r.stages)
         front(call, {k: np.concatenate([s[k] for s in rows], axis=1 if k == "qkv_parts" else 0)
                      for k in rows[0]})
+    return out
+
+
+def reference_batch_stages(cfg: Glm5NextKdaConfig, tensors: dict, hidden: np.ndarray,
+                           plan: RunPlan, lengths: list[int]) -> dict[str, np.ndarray]:
+    """Every stage key of a serving run (`seq<i>.<call>/<buffer>`) in float64: sequence i is
+    the next lengths[i] + decode_steps + k rows of `hidden`, run alone from zero states as a
+    prefill, single decodes and a decode_k (its `verify`); a batched call's per-row buffers
+    are its rows stacked, its states those after its last row."""
+    out: dict[str, np.ndarray] = {}
+    start = 0
+    for i, t in enumerate(lengths):
+        n = t + plan.decode_steps + plan.k
+        one = reference_stages(cfg, tensors, hidden[start:start + n],
+                               RunPlan(t, plan.decode_steps, plan.k))
+        start += n
+        rows: dict[str, list[np.ndarray]] = {}
+        for key, a in one.items():  # rows in order: reference_stages walks them so
+            call, buf = key.split("/", 1)
+            key = f"seq{i}.{'verify' if call == 'decode_k' else call}/{_base(buf)}"
+            if buf == _base(buf):
+                out[key] = a
+            elif buf.startswith("state."):
+                out[key] = a  # the last row's state stays
+            else:
+                rows.setdefault(key, []).append(a)
+        out |= {key: np.concatenate(parts) for key, parts in rows.items()}
     return out
 
 
@@ -359,7 +418,7 @@ def _check_unchanged(d: Dump, ckpt: Checkpoint) -> dict[str, np.ndarray]:
 
 
 def _check_same_run(a: Dump, b: Dump) -> None:
-    for field_ in ("config", "layer", "plan"):
+    for field_ in ("config", "layer", "plan", "batch"):
         if a.run.get(field_) != b.run.get(field_):
             raise KdaError(f"dumps {a.path} and {b.path} are of different runs: {field_} "
                            f"{a.run.get(field_)!r} vs {b.run.get(field_)!r}")
@@ -384,8 +443,10 @@ def compare_stages(dump: str | Path, against: str | Path | None = None,
         with open_run_checkpoint(d.run) as ckpt_path:
             ckpt = Checkpoint(ckpt_path)
             tensors = _check_unchanged(d, ckpt)
-        plan = RunPlan(**d.run["plan"])
-        expect = reference_stages(ckpt.config, tensors, d.hidden.astype(np.float64), plan)
+        plan, hidden = RunPlan(**d.run["plan"]), d.hidden.astype(np.float64)
+        expect = (reference_batch_stages(ckpt.config, tensors, hidden, plan,
+                                         d.run["batch"]["lengths"]) if "batch" in d.run
+                  else reference_stages(ckpt.config, tensors, hidden, plan))
         label = "the float64 reference"
     else:
         o = load_dump(against)

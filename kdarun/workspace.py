@@ -19,6 +19,7 @@ from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
+from .kernels import SEG_FIELDS
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -34,6 +35,7 @@ class BufferSpec:
     doc: str
     tol: float | None = None  # public buffers: the stages' tolerance (stages.STAGE_TOL)
     poison: bool = True  # False: kernels rely on its contents (kept zero between calls)
+    padded: bool = False  # rows numbered by chunks: a packed prefill's segments' padded rows
 
     def __post_init__(self) -> None:
         if self.public != (self.tol is not None):
@@ -66,14 +68,14 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("conv_out", _rows(lambda c: c.conv_dim), BF16, True, "[T, conv_dim] q|k|v",
                "after conv + SiLU, q|k L2-normalised", 8e-3),  # two roundings: <= 3.5e-3
     BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "q widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
+               "q widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
     BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "k widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
+               "k widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
     BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "v widened, tail = pad_fill", 8e-3),  # <= 3.5e-3
-    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3),  # an fp32 map of bf16 inputs: <= 1.3e-3
+               "v widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
+    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3, padded=True),  # an fp32 map of bf16 inputs: <= 1.3e-3
     BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "[T_pad, H]",
-               "sigmoid(b_proj(h))", 2e-3),  # <= 4.7e-4
+               "sigmoid(b_proj(h))", 2e-3, padded=True),  # <= 4.7e-4
     BufferSpec("core", _heads, F32, True, "[T_pad, H, D]", "KDA core output, before o_norm", 1.5e-2),  # the end of the chain: <= 7.0e-3
     BufferSpec("g_raw", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]",
                "f_b(f_a(h)), the gate input", 6e-3),  # f_a, then g_raw rounded: <= 3.5e-3
@@ -107,6 +109,10 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", _chunk_blocks(lambda c: (CHUNK, CHUNK)), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis, walk image",
                "in-chunk decayed q.k products, causal"),
+    BufferSpec("segments", lambda c, t, tp: (tp // CHUNK * (SEG_FIELDS + 1),), I32, False,
+               "[segments, SEG_FIELDS] int32, then checkpoint slots",
+               "packed prefill: a window's segment table (kernels_cu/segments.cuh); a segment "
+               "and a checkpoint take at least a chunk each"),
     BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
                "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "
                "(the last gate block resets them)", poison=False),
@@ -123,19 +129,23 @@ BUFFERS: tuple[BufferSpec, ...] = (
 SPEC = {b.name: b for b in BUFFERS}
 
 
-def buffer_nbytes(cfg: Glm5NextKdaConfig, name: str, t: int) -> int:
-    """Bytes of buffer `name` for a run of `t` tokens."""
-    return int(np.prod(SPEC[name].shape(cfg, t, cfg.t_pad(t)), dtype=np.int64)) * \
+def buffer_nbytes(cfg: Glm5NextKdaConfig, name: str, t: int, t_pad: int | None = None) -> int:
+    """Bytes of buffer `name` for a run of `t` tokens over `t_pad` padded rows (default: t's)."""
+    t_pad = cfg.t_pad(t) if t_pad is None else t_pad
+    return int(np.prod(SPEC[name].shape(cfg, t, t_pad), dtype=np.int64)) * \
         SPEC[name].dtype.itemsize
 
 
-def workspace_nbytes(cfg: Glm5NextKdaConfig, max_tokens: int) -> int:
-    """Device bytes of a workspace for `max_tokens` tokens: every buffer of `BUFFERS`."""
-    return sum(buffer_nbytes(cfg, b.name, max_tokens) for b in BUFFERS)
+def workspace_nbytes(cfg: Glm5NextKdaConfig, max_tokens: int, pad_rows: int | None = None) -> int:
+    """Device bytes of a workspace for `max_tokens` tokens (and `pad_rows` padded rows):
+    every buffer of `BUFFERS`."""
+    return sum(buffer_nbytes(cfg, b.name, max_tokens, pad_rows) for b in BUFFERS)
 
 
 class Glm5NextKdaWorkspace(DeviceOwner):
-    """Device scratch for runs of up to `max_tokens` tokens.
+    """Device scratch for runs of up to `max_tokens` tokens. The chunk buffers hold `pad_rows`
+    padded rows, by default max_tokens padded to a chunk; a packed prefill, whose sequences
+    each pad to a chunk, runs at once up to max_tokens tokens in up to pad_rows / CHUNK chunks.
 
     Attributes named as in `BUFFERS` are `DevicePtr`s; `shape(name, t)` gives the shape
     a run of `t` tokens uses (row-major at the start of the buffer). After `free()` the
@@ -158,18 +168,24 @@ class Glm5NextKdaWorkspace(DeviceOwner):
     o_norm_out: DevicePtr
     final_out: DevicePtr
 
-    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, max_tokens: int):
+    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, max_tokens: int,
+                 pad_rows: int | None = None):
         self.cfg = check_config(cfg, "workspace")
         self._max_tokens = max_tokens = check_int(max_tokens, "workspace: max_tokens", 1)
         self._t_pad = cfg.t_pad(max_tokens)
+        if pad_rows is not None:
+            self._t_pad = check_int(pad_rows, "workspace: pad_rows", self._t_pad)
+            if pad_rows % CHUNK:
+                raise KdaError(f"workspace: pad_rows must be a multiple of {CHUNK}, got "
+                               f"{pad_rows}")
         self._gpu = gpu
-        gpu.check_free_memory(workspace_nbytes(cfg, max_tokens),
+        gpu.check_free_memory(workspace_nbytes(cfg, max_tokens, self._t_pad),
                               f"a workspace of {max_tokens} tokens")
         self._ptrs: dict[str, DevicePtr] = {}
         for spec in BUFFERS:
-            ptr = gpu.alloc(self.nbytes(spec.name, max_tokens))
+            ptr = gpu.alloc(self._capacity(spec.name))
             if not spec.poison:
-                gpu.memset(ptr, 0, self.nbytes(spec.name, max_tokens), 0)
+                gpu.memset(ptr, 0, self._capacity(spec.name), 0)
             self._ptrs[spec.name] = ptr
             setattr(self, spec.name, ptr)
 
@@ -177,8 +193,12 @@ class Glm5NextKdaWorkspace(DeviceOwner):
         return self._max_tokens
 
     def t_pad(self) -> int:
-        """The padded length of a `max_tokens` run: the prefill buffers' row count."""
+        """The chunk buffers' padded row count: `pad_rows`, or a `max_tokens` run's."""
         return self._t_pad
+
+    def _capacity(self, name: str) -> int:
+        """Bytes of buffer `name` as allocated."""
+        return buffer_nbytes(self.cfg, name, self._max_tokens, self._t_pad)
 
     def shape(self, name: str, t: int) -> tuple[int, ...]:
         return SPEC[name].shape(self.cfg, t, self.cfg.t_pad(t))
@@ -205,8 +225,7 @@ class Glm5NextKdaWorkspace(DeviceOwner):
         for spec in BUFFERS:
             if not spec.poison:
                 continue
-            self._gpu.memset(self.ptr(spec.name), 0xFF, self.nbytes(spec.name, self._max_tokens),
-                             stream)
+            self._gpu.memset(self.ptr(spec.name), 0xFF, self._capacity(spec.name), stream)
 
     def read(self, name: str, t: int, stream: int = 0) -> np.ndarray:
         """Download the rows buffer `name` holds for a run of `t` tokens (synchronises)."""

@@ -17,6 +17,7 @@
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "chunk.cuh"
 #include "sm90.cuh"
+#include "segments.cuh"
 
 // tools/chunk_phases.py builds this file with -DKDA_CHUNK_PHASES: thread 0 of each block then
 // adds the clock64() cycles since its last mark into phase_cycles[i] at PHASE(i): the intra
@@ -418,7 +419,13 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 // The Hopper walk's device code exists only where its warpgroup MMAs do (sm_90a builds); nvcc's
 // host pass (no __CUDA_ARCH__) keeps its entries, whose launch stubs it writes for every build.
 #if !defined(__CUDA_ARCH__) || KDA_WGMMA
-// ---- walk: the chunks in order, one (head, 64-column slice of V) a block ---------------------
+// ---- walk: the chunks in order, one (head, 64-column slice of V) and share of segments a block --
+// Each segment (segments.cuh) walks its own chunks from its pool slot's state (or zero), writes
+// its core rows at its packed rows, its final state back to its slot and, where asked, the
+// state after every `every` chunks to checkpoint slots. A plain prefill is one segment. Block z
+// of gridDim.z walks segments z, z + gridDim.z, ... one after another as one stream of chunks,
+// so the copies run ahead across a segment's end and many short segments cost a chunk each,
+// not a block's start-up each (kernels.py sizes gridDim.z to one wave).
 // One warpgroup a block carries its slice of the state transposed, S^T [64, D] (the state's own
 // [Dv, Dk] layout), as the fp32 accumulator of an m64nD warpgroup MMA: warp w holds rows 16 w..
 // with all D dimensions, so no product is split over warps and nothing is reduced across them.
@@ -478,8 +485,8 @@ template <int D>
 __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
                      const float* __restrict__ gl, const unsigned* __restrict__ w_in,
                      const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
-                     float* __restrict__ state, float* __restrict__ core, int T, int T_pad,
-                     int H) {
+                     float* __restrict__ state, float* __restrict__ core,
+                     const int* __restrict__ segs, int nseg, int T, int H) {
     using L = Walk<D>;
     constexpr int KD = D / 16, KC = CHUNK / 16;  // k-steps over D and over C
     extern __shared__ __align__(128) unsigned char smb[];
@@ -488,7 +495,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     const int g = lane >> 2, t4 = lane & 3;
     const int v0 = blockIdx.y * WALK_ROWS;  // the slice
     const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
-    const int nchunks = T_pad / CHUNK;
+    const int zs = gridDim.z;  // this block's segments: blockIdx.z, + zs, ...
     if (tid == 0) {
         for (int i = 0; i < L::DONE_BAR; ++i) mbar_init(bars + i, 1);
         mbar_init(bars + L::DONE_BAR, WARPGROUP);
@@ -500,126 +507,170 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         // go out as soon as the warpgroup is done with chunk ci - 1, so the MMAs never wait
         // on a copy's issue, and chunk ci's second operands land while its first products run.
         if (lane == 0) {
-            auto load_next = [&](int ci) {  // w, qg, u, gl of chunk ci into buffer ci % 2
-                const int b = ci & 1;
-                const u64 blk = (u64)ci * H + h;
-                mbar_expect(bars + b, 2 * L::WQ_BYTES + L::U_BYTES + L::GL_BYTES);
-                bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D, L::WQ_BYTES,
-                          bars + b);
-                bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D, L::WQ_BYTES,
-                          bars + b);
+            // the block's chunks in walk order: wc counts them, a cursor (segment, its chunk)
+            // names each; one cursor for w, qg, u, gl (a chunk ahead), one for kd, Aqk
+            struct Cursor {
+                int si, ci;
+                Segment sg;
+            };
+            auto next_chunk = [&](Cursor& c) {  // the cursor's chunk, then the cursor moves on
+                const int chunk = c.sg.chunk0 + c.ci;
+                if (++c.ci == c.sg.chunks) {
+                    c.ci = 0, c.si += zs;
+                    if (c.si < nseg) c.sg = segment_at(segs, c.si, T);
+                }
+                return chunk;
+            };
+            int nchunks = 0;
+            for (int si = blockIdx.z; si < nseg; si += zs)
+                nchunks += segment_at(segs, si, T).chunks;
+            Cursor ahead{(int)blockIdx.z, 0, segment_at(segs, blockIdx.z, T)}, behind = ahead;
+            auto load_next = [&](int wc) {  // w, qg, u, gl of the block's chunk wc: buffer wc % 2
+                const int b = wc & 1;
+                const bool fresh = ahead.ci == 0 && !ahead.sg.init;  // w, qg unread (below)
+                const u64 blk = (u64)next_chunk(ahead) * H + h;
+                mbar_expect(bars + b, (fresh ? 0 : 2 * L::WQ_BYTES) + L::U_BYTES + L::GL_BYTES);
+                if (!fresh) {
+                    bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D,
+                              L::WQ_BYTES, bars + b);
+                    bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D,
+                              L::WQ_BYTES, bars + b);
+                }
                 const float* u_slice = u_in + (blk * (D / WALK_ROWS) + blockIdx.y) * CHUNK * WALK_ROWS;
                 bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
                 bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
             };
-            auto load_kd = [&](int ci) {  // kd, Aqk of chunk ci
-                const u64 blk = (u64)ci * H + h;
+            auto load_kd = [&]() {  // kd, Aqk of the block's next chunk
+                const u64 blk = (u64)next_chunk(behind) * H + h;
                 mbar_expect(bars + L::KD_BAR, L::K_BYTES + L::A_BYTES);
                 bulk_copy(smb + L::K_OFF, kd + blk * D * CHUNK, L::K_BYTES, bars + L::KD_BAR);
                 bulk_copy(smb + L::A_OFF, aqk + blk * CHUNK * CHUNK, L::A_BYTES, bars + L::KD_BAR);
             };
             load_next(0);
-            load_kd(0);
+            load_kd();
             if (nchunks > 1) load_next(1);
-            for (int ci = 1; ci < nchunks; ++ci) {
-                mbar_wait(bars + L::DONE_BAR, (ci - 1) & 1);  // chunk ci - 1's buffers are read
-                load_kd(ci);
-                if (ci + 1 < nchunks) load_next(ci + 1);
+            for (int wc = 1; wc < nchunks; ++wc) {
+                mbar_wait(bars + L::DONE_BAR, (wc - 1) & 1);  // chunk wc - 1's buffers are read
+                load_kd();
+                if (wc + 1 < nchunks) load_next(wc + 1);
             }
         }
         return;
     }
 
-    // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): tile j of the m64nD accumulator
-    float S[D / 2];
-    float* st = state + ((u64)h * D + v0 + vr) * D + 2 * t4;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        const float2 a = *reinterpret_cast<const float2*>(st + 8 * j);
-        const float2 b = *reinterpret_cast<const float2*>(st + 8 * D + 8 * j);
-        S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
-    }
-    unsigned Sh[KD][4], Sl[KD][4];
-#pragma unroll
-    for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
-
-    const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CHUNK>(smb + L::A_OFF);
-    PHASES_BEGIN;
-    for (int ci = 0; ci < nchunks; ++ci) {
-        const int b = ci & 1, c0 = ci * CHUNK;
-        mbar_wait(bars + b, (ci >> 1) & 1);  // chunk ci's w, qg, u, gl
-        PHASE(8);
-
-        float P[CHUNK / 2], O[CHUNK / 2];
-#pragma unroll
-        for (int i = 0; i < CHUNK / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
-        wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
-        wgmma_fence();
-        wg3<CHUNK, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
-        wgmma_commit();
-        wg3<CHUNK, D>(O, Sh, Sl, operand_desc<CHUNK>(smb + L::Q_OFF + b * L::WQ_BYTES));
-        wgmma_commit();
-        wgmma_wait<1>();  // W^T is in; O^T's first term may still run
-        wgmma_pin(P);
-        PHASE(9);
-
-        // v^T = u^T - W^T, its fragments; the decay on S
-        const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
-#pragma unroll
-        for (int j = 0; j < CHUNK / 8; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                P[4 * j + i] =
-                    us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
-        unsigned Vh[KC][4], Vl[KC][4];
-#pragma unroll
-        for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, Vh[s], Vl[s]);
-        const float* gls = reinterpret_cast<const float*>(smb + L::GL_OFF + b * L::GL_BYTES);
+    // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): tile j of the m64nD accumulator, at this
+    // thread's offset in a slot's state
+    const u64 slot_floats = (u64)H * D * D, at = ((u64)h * D + v0 + vr) * D + 2 * t4;
+    auto store_state = [&](float* st, const float (&x)[D / 2]) {
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
-            const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
-            S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
+            *reinterpret_cast<float2*>(st + 8 * j) = make_float2(x[4 * j], x[4 * j + 1]);
+            *reinterpret_cast<float2*>(st + 8 * D + 8 * j) =
+                make_float2(x[4 * j + 2], x[4 * j + 3]);
         }
-        PHASE(10);
-        mbar_wait(bars + L::KD_BAR, ci & 1);  // kd, Aqk (ci)
-        PHASE(11);
-        wgmma_pin(S), wgmma_pin(O);
-        wgmma_fence();
-        wg3<D, CHUNK>(S, Vh, Vl, kdesc);
-        wgmma_commit();
-        wg3<CHUNK, CHUNK>(O, Vh, Vl, adesc);
-        wgmma_commit();
-        wgmma_wait<1>();  // S^T is in; O^T's second term may still run
-        wgmma_pin(S);
-        PHASE(12);
+    };
+    const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CHUNK>(smb + L::A_OFF);
+    PHASES_BEGIN;
+    int wc = 0;  // the block's chunks walked so far: the buffers' and barriers' phase
+    for (int si = blockIdx.z; si < nseg; si += zs) {
+        const Segment sg = segment_at(segs, si, T);
+        float S[D / 2];
+        float* st = state + sg.slot * slot_floats + at;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {  // a sequence without initial state starts from zero
+            const float2 a = sg.init ? *reinterpret_cast<const float2*>(st + 8 * j) : float2{};
+            const float2 b =
+                sg.init ? *reinterpret_cast<const float2*>(st + 8 * D + 8 * j) : float2{};
+            S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
+        }
+        unsigned Sh[KD][4], Sl[KD][4];
 #pragma unroll
         for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
-        wgmma_wait<0>();
-        wgmma_pin(O);
-        mbar_arrive(bars + L::DONE_BAR);  // this thread is done with chunk ci's shared memory
-        // O^T rows vr (+ 8) = core[t][h][v0 + vr (+ 8)], t < T
+
+        for (int ci = 0; ci < sg.chunks; ++ci, ++wc) {
+            const int b = wc & 1, c0 = ci * CHUNK;  // c0: the segment's own token
+            mbar_wait(bars + b, (wc >> 1) & 1);  // chunk wc's w, qg, u, gl
+            PHASE(8);
+
+            float P[CHUNK / 2], O[CHUNK / 2];
 #pragma unroll
-        for (int j = 0; j < CHUNK / 8; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int t = c0 + 8 * j + 2 * t4 + (i & 1);
-                if (t < T) core[((u64)t * H + h) * D + v0 + vr + 8 * (i >> 1)] = O[4 * j + i];
+            for (int i = 0; i < CHUNK / 2; ++i) P[i] = 0.0f, O[i] = 0.0f;
+            // A zero-state segment's first chunk has S = 0: W^T and O^T's first term are sums
+            // of zero products, +0 exactly, which P and O already hold; neither they nor their
+            // operands w and qg (never copied) are needed.
+            if (ci > 0 || sg.init) {
+                wgmma_pin(P), wgmma_pin(O), wgmma_pin(S);
+                wgmma_fence();
+                wg3<CHUNK, D, 1>(P, Sh, Sl, w_desc(smb + L::W_OFF + b * L::WQ_BYTES));
+                wgmma_commit();
+                wg3<CHUNK, D>(O, Sh, Sl, operand_desc<CHUNK>(smb + L::Q_OFF + b * L::WQ_BYTES));
+                wgmma_commit();
+                wgmma_wait<1>();  // W^T is in; O^T's first term may still run
+                wgmma_pin(P);
             }
-        PHASE(13);
-    }
+            PHASE(9);
+
+            // v^T = u^T - W^T, its fragments; the decay on S
+            const float* us = reinterpret_cast<const float*>(smb + L::U_OFF + b * L::U_BYTES);
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        *reinterpret_cast<float2*>(st + 8 * j) = make_float2(S[4 * j], S[4 * j + 1]);
-        *reinterpret_cast<float2*>(st + 8 * D + 8 * j) = make_float2(S[4 * j + 2], S[4 * j + 3]);
+            for (int j = 0; j < CHUNK / 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    P[4 * j + i] =
+                        us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
+            unsigned Vh[KC][4], Vl[KC][4];
+#pragma unroll
+            for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, Vh[s], Vl[s]);
+            const float* gls = reinterpret_cast<const float*>(smb + L::GL_OFF + b * L::GL_BYTES);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
+                S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
+            }
+            PHASE(10);
+            mbar_wait(bars + L::KD_BAR, wc & 1);  // kd, Aqk (wc)
+            PHASE(11);
+            wgmma_pin(S), wgmma_pin(O);
+            wgmma_fence();
+            wg3<D, CHUNK>(S, Vh, Vl, kdesc);
+            wgmma_commit();
+            wg3<CHUNK, CHUNK>(O, Vh, Vl, adesc);
+            wgmma_commit();
+            wgmma_wait<1>();  // S^T is in; O^T's second term may still run
+            wgmma_pin(S);
+            PHASE(12);
+#pragma unroll
+            for (int s = 0; s < KD; ++s) frag_of(S + 8 * s, S + 8 * s + 4, Sh[s], Sl[s]);
+            wgmma_wait<0>();
+            wgmma_pin(O);
+            mbar_arrive(bars + L::DONE_BAR);  // this thread is done with chunk wc's shared memory
+            // O^T rows vr (+ 8) = core[row0 + t][h][v0 + vr (+ 8)], t < rows: the packed rows
+#pragma unroll
+            for (int j = 0; j < CHUNK / 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = c0 + 8 * j + 2 * t4 + (i & 1);
+                    if (t < sg.rows)
+                        core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] =
+                            O[4 * j + i];
+                }
+            // a checkpoint after every `every` whole chunks: the state of that prefix alone
+            if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
+                const int slot = segs[sg.ckpt + (ci + 1) / sg.every - 1];
+                if (slot >= 0) store_state(state + slot * slot_floats + at, S);
+            }
+            PHASE(13);
+        }
+        store_state(st, S);
     }
 }
 
 #endif  // the Hopper walk
 
-// T_pad is not read here (the grid carries the chunk count); it keeps the launch's arguments
-// those of the host twin, which loops over it. Each kernel's dynamic shared memory is exported
-// as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout structs
-// above are its only definition.
+// The intra kernel's T_pad is not read (the grid carries the chunk count); it keeps the launch's
+// arguments those of the host twin, which loops over it. Each kernel's dynamic shared memory is
+// exported as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout
+// structs above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
@@ -633,9 +684,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 #define KDA_CHUNK_INTER(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)   kda_chunk_inter_d##D(     \
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
-        const float* u, const unsigned* aqk, float* state, float* core, int T, int T_pad,      \
-        int H) {                                                                               \
-        walk<D>(qg, kd, gl, w, u, aqk, state, core, T, T_pad, H);                              \
+        const float* u, const unsigned* aqk, float* state, float* core, const int* segs,       \
+        int nseg, int T, int H) {                                                              \
+        walk<D>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H);                         \
     }                                                                                          \
     extern "C" {                                                                               \
     __constant__ int kda_chunk_inter_d##D##_smem = Walk<D>::BYTES;                             \

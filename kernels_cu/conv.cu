@@ -2,6 +2,7 @@
 // [W-1, conv_dim] (oldest row first) standing in for the rows before the first token. Decode's
 // conv is fused into kda_decode_rows_d{D} (recurrent.cu).
 #include "common.cuh"
+#include "segments.cuh"
 
 
 // One thread per 8 channels (16 bytes) of a q/k/v head vector and a run of CONV_TOKENS tokens,
@@ -13,10 +14,18 @@
 // again, by part), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those
 // bf16 values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get
 // pad_fill so the chunk kernels' guard past T is exercised.
-__device__ __forceinline__ uint4 conv_input(const bf16* x, const bf16* state, int conv_dim,
-                                            int W, int r, int c) {
-    return r < 0 ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
-                 : *reinterpret_cast<const uint4*>(x + (u64)r * conv_dim + c);
+// Packed, each segment (segments.cuh) is its own sequence: runs of CONV_TOKENS padded rows
+// never straddle one (its rows start at a chunk), its rows before the first read its slot's
+// conv state (zeros without initial state), and its padded rows get pad_fill (0 there: the
+// chunk kernels then read every row, and zeros are exact no-ops of the WY form).
+static_assert(CHUNK % CONV_TOKENS == 0, "a conv run lies inside one chunk");
+
+// Input row r of a segment whose rows start at x (r < 0: its conv state, or zero).
+__device__ __forceinline__ uint4 conv_input(const bf16* x, const bf16* state, bool init,
+                                            int conv_dim, int W, int r, int c) {
+    if (r >= 0) return *reinterpret_cast<const uint4*>(x + (u64)r * conv_dim + c);
+    return init ? *reinterpret_cast<const uint4*>(state + (u64)(W - 1 + r) * conv_dim + c)
+                : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // One thread's run, with the taps right-aligned in NW slots (NW >= W).
@@ -24,8 +33,8 @@ template <int NW>
 __device__ __forceinline__ void conv_thread(
     const bf16* __restrict__ x, const bf16* __restrict__ state, const float* __restrict__ w,
     bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, float* __restrict__ qf,
-    float* __restrict__ kf, float* __restrict__ vf, int T, int T_pad, int H, int D, int W,
-    float pad_fill) {
+    float* __restrict__ kf, float* __restrict__ vf, const int* __restrict__ segs, int nseg, int T,
+    int T_pad, int H, int D, int W, float pad_fill) {
     const int group = D / 8;  // threads a head vector (8 or 16: groups never straddle a warp)
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long item = gid / group;
@@ -33,12 +42,17 @@ __device__ __forceinline__ void conv_thread(
     const int nvec = 3 * H, qkv = H * D, conv_dim = 3 * qkv;
     const int runs = (T_pad + CONV_TOKENS - 1) / CONV_TOKENS;
     if (item >= (long long)runs * nvec) return;  // whole groups leave together
-    const int t0 = (int)(item / nvec) * CONV_TOKENS, vec = (int)(item % nvec), p = vec / H;
-    const int t1 = min(t0 + CONV_TOKENS, T_pad), c = vec * D + 8 * part;
+    const int r0 = (int)(item / nvec) * CONV_TOKENS, vec = (int)(item % nvec), p = vec / H;
+    const int c = vec * D + 8 * part;
+    // the segment's own rows: t counts from its first token, the padded row is pr0 + t
+    const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, r0 / CHUNK), T);
+    const int pr0 = sg.chunk0 * CHUNK, t0 = r0 - pr0, t1 = t0 + min(CONV_TOKENS, T_pad - r0);
+    x += (u64)sg.row0 * conv_dim;
+    state += (u64)sg.slot * (W - 1) * conv_dim;
     // The norm's shuffles name this group's lanes only: a warp may hold two groups of different
     // runs, and a group in the padded tail skips the shuffles without leaving the loop.
     const unsigned gmask = (0xffffffffu >> (32 - group)) << ((threadIdx.x & 31) & ~(group - 1));
-    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (vec % H) * D + 8 * part;
+    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (u64)pr0 * qkv + (vec % H) * D + 8 * part;
     // Taps sit right-aligned in NW slots (tap j of W in slot NW - W + j), so every array
     // index is a compile-time constant and the window stays in registers; slots before the
     // first tap are skipped, never multiplied.
@@ -46,8 +60,8 @@ __device__ __forceinline__ void conv_thread(
     uint4 win[NW - 1];  // slot k: input row t - (NW - 1) + k
 #pragma unroll
     for (int k = 0; k < NW - 1; ++k)
-        if (k >= s0 && t0 < T)
-            win[k] = conv_input(x, state, conv_dim, W, t0 - (NW - 1) + k, c);
+        if (k >= s0 && t0 < sg.rows)
+            win[k] = conv_input(x, state, sg.init, conv_dim, W, t0 - (NW - 1) + k, c);
     // a narrow window's weights stay in registers for the run (32 at W = 4); the wide generic
     // one's would take 138 registers a thread, so it re-reads them from L1 each token
     constexpr bool HOLD = NW <= 4;
@@ -64,13 +78,13 @@ __device__ __forceinline__ void conv_thread(
         }
     }
     for (int t = t0; t < t1; ++t) {
-        if (t >= T) {  // the whole group: t is shared
+        if (t >= sg.rows) {  // the whole group: t is shared
             const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
             reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = f;
             reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = f;
             continue;
         }
-        const uint4 xin = conv_input(x, state, conv_dim, W, t, c);
+        const uint4 xin = conv_input(x, state, sg.init, conv_dim, W, t, c);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < NW; ++k) {  // taps oldest first, as the one-token form sums them
@@ -94,7 +108,7 @@ __device__ __forceinline__ void conv_thread(
 #pragma unroll
         for (int k = 0; k < NW - 2; ++k) win[k] = win[k + 1];
         win[NW - 2] = xin;
-        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + t) * qkv + c - p * qkv) = xin;
+        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + sg.row0 + t) * qkv + c - p * qkv) = xin;
         // bf16 roundings a pair at a time (pack_bf16x2): Nsight Compute counted this kernel
         // 65% issue-bound, its largest instruction shares a bf16 rounding done in integer
         // arithmetic and the SiLU's exp and division
@@ -117,7 +131,7 @@ __device__ __forceinline__ void conv_thread(
             f[2 * i] = __uint_as_float(o[i] << 16);
             f[2 * i + 1] = __uint_as_float(o[i] & 0xffff0000u);
         }
-        *reinterpret_cast<uint4*>(conv_out + (u64)t * conv_dim + c) =
+        *reinterpret_cast<uint4*>(conv_out + ((u64)sg.row0 + t) * conv_dim + c) =
             make_uint4(o[0], o[1], o[2], o[3]);
         reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = make_float4(f[0], f[1], f[2], f[3]);
         reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = make_float4(f[4], f[5], f[6], f[7]);
@@ -127,14 +141,14 @@ __device__ __forceinline__ void conv_thread(
 #define PREFILL_CONV_ARGS                                                                     \
     const bf16* __restrict__ qkv_proj, const bf16* __restrict__ state,                         \
         const float* __restrict__ w, bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, \
-        float* __restrict__ qf, float* __restrict__ kf, float* __restrict__ vf, int T,          \
-        int T_pad, int H, int D, int W, float pad_fill
+        float* __restrict__ qf, float* __restrict__ kf, float* __restrict__ vf,                 \
+        const int* __restrict__ segs, int nseg, int T, int T_pad, int H, int D, int W, float pad_fill
 
 // Any width up to MAX_CONV_KERNEL, taps chosen at run time. Four blocks an SM, 64 registers a thread:
 // left free, ptxas takes 98 (two blocks an SM).
 extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
-    conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, W,
-                       pad_fill);
+    conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, segs, nseg, T,
+                                 T_pad, H, D, W, pad_fill);
 }
 
 // The width of every Kimi Linear checkpoint, as a literal: no tap is tested at run time, the
@@ -142,20 +156,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFIL
 // three blocks an SM, faster than the generic kernel: docs/perf-log.md, v10).
 // kernels.py launches it when W == 4, so its W argument is always 4.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
-    conv_thread<4>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, T, T_pad, H, D, 4,
-                   pad_fill);
+    conv_thread<4>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, segs, nseg, T, T_pad, H, D,
+                   4, pad_fill);
 }
 
-// After prefill_conv_qkv: the state becomes the last W-1 rows of (state ++ x). New row j
-// reads source row T+j > j, so one thread walking its channel upwards never reads a row it
+// After prefill_conv_qkv, a block row a segment (blockIdx.y): its checkpoint slots get the W-1
+// input rows before each checkpoint (all in x: a checkpoint follows at least a chunk), then its
+// state becomes the last W-1 rows of (state ++ x) (state zero without initial state). New row
+// j reads source row rows+j > j, so one thread walking its channel upwards never reads a row it
 // already wrote.
 extern "C" __global__ void conv_roll_state(const bf16* __restrict__ x, bf16* __restrict__ state,
-                                           int T, int conv_dim, int W) {
+                                           const int* __restrict__ segs, int nseg, int T,
+                                           int conv_dim, int W) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= conv_dim) return;
+    if (c >= conv_dim || (int)blockIdx.y >= nseg) return;
+    const Segment sg = segment_at(segs, blockIdx.y, T);
+    const u64 slot_elems = (u64)(W - 1) * conv_dim;
+    x += (u64)sg.row0 * conv_dim;
+    for (int k = 0; sg.every && (k + 1) * sg.every * CHUNK <= sg.rows; ++k) {
+        const int slot = segs[sg.ckpt + k];
+        if (slot < 0) continue;
+        const int end = (k + 1) * sg.every * CHUNK;
+        for (int j = 0; j < W - 1; ++j)
+            state[slot * slot_elems + (u64)j * conv_dim + c] =
+                x[(u64)(end - (W - 1) + j) * conv_dim + c];
+    }
+    state += sg.slot * slot_elems;
     for (int j = 0; j < W - 1; ++j) {
-        const int src = T + j;
+        const int src = sg.rows + j;
         state[(u64)j * conv_dim + c] =
-            src < W - 1 ? state[(u64)src * conv_dim + c] : x[(u64)(src - (W - 1)) * conv_dim + c];
+            src >= W - 1 ? x[(u64)(src - (W - 1)) * conv_dim + c]
+                         : (sg.init ? state[(u64)src * conv_dim + c] : (bf16)0);
     }
 }

@@ -1,6 +1,9 @@
 // Forget gate and beta for prefill, grid-parallel over tokens (decode computes the same
-// values in the low-rank GEMV epilogue). Rows >= T are written as zeros (the core never reads them).
+// values in the low-rank GEMV epilogue). Rows past a segment's tokens are written as zeros: the
+// core never reads them in a plain prefill, and a packed one's chunk kernels read them as the
+// exact no-ops gate = beta = 0 (segments.cuh: a segment's padded rows from its packed ones).
 #include "gate.cuh"
+#include "segments.cuh"
 
 // One thread per 8 gate channels (a 16-byte g_raw load, two float4 stores); the thread of
 // channel group i < H also writes beta for head i.
@@ -9,16 +12,19 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
                                          const float* __restrict__ a_log,
                                          const float* __restrict__ dt_bias,
                                          float* __restrict__ gate, float* __restrict__ beta,
-                                         int T, int T_pad, int H, int D, float lower_bound,
+                                         const int* __restrict__ segs, int nseg, int T,
+                                         int T_pad, int H, int D, float lower_bound,
                                          int bounded) {
     const int groups = H * D / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_pad * groups) return;
-    const int t = (int)(i / groups), cg = (int)(i % groups), c = 8 * cg;
-    float4* out = reinterpret_cast<float4*>(gate + (u64)t * H * D + c);
-    if (t >= T) {
+    const int pt = (int)(i / groups), cg = (int)(i % groups), c = 8 * cg;  // pt: padded row
+    const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, pt / CHUNK), T);
+    const int local = pt - sg.chunk0 * CHUNK, t = sg.row0 + local;  // t: packed row
+    float4* out = reinterpret_cast<float4*>(gate + (u64)pt * H * D + c);
+    if (local >= sg.rows) {
         out[0] = out[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (cg < H) beta[(u64)t * H + cg] = 0.0f;
+        if (cg < H) beta[(u64)pt * H + cg] = 0.0f;
         return;
     }
     float x[8];
@@ -32,5 +38,5 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
     for (int e = 0; e < 8; ++e) gv[e] = kda_gate_value(x[e] + bias[e], a, lower_bound, bounded);
     out[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
     out[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
-    if (cg < H) beta[(u64)t * H + cg] = sigmoidf_(bf2f(b_raw[(u64)t * ldb + cg]));
+    if (cg < H) beta[(u64)pt * H + cg] = sigmoidf_(bf2f(b_raw[(u64)t * ldb + cg]));
 }

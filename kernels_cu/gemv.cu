@@ -25,29 +25,27 @@ struct NoWait {
 // The warps' rings, the GEMV kernels' dynamic shared memory.
 constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
 
-// The shares' partial sums [G][GEMV_WARPS][32]: one array for every gemv_tile of a G in a
-// kernel (front_end_gemv's two would otherwise take two, past the static limit at G = 8).
-template <int G>
-__device__ __forceinline__ float4 (*gemv_part())[GEMV_WARPS][32] {
-    __shared__ float4 part[G][GEMV_WARPS][32];
+// The shares' partial sums [GEMV_WARPS][32]: one array for every gemv_tile of a kernel
+// (front_end_gemv's two would otherwise take two).
+__device__ __forceinline__ float4 (*gemv_part())[32] {
+    __shared__ float4 part[GEMV_WARPS][32];
     return part;
 }
 
-// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 G token rows in G column groups
-// of 8 (the MMA's N); true in the warp that then holds the sums in out[gi]: rows n0+g and
-// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call
-// it (it synchronises the block). Share j of ks takes stages j, j+ks, ...; dimensions past K
-// are zero-filled, rows past N read row N-1 and are never stored. A token row's sums take the
-// same MMAs in the same order for any G and M, so a row's bits do not depend on the rows
-// beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
+// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 token rows (the MMA's N); true
+// in the warp that then holds the sums in out: rows n0+g and n0+g+8 at token columns 2t and
+// + 1 (lane = 4g + t). Every warp of the block must call it (it synchronises the block). Share
+// j of ks takes stages j, j+ks, ...; dimensions past K are zero-filled, rows past N read row
+// N-1 and are never stored. A token row's sums take the same MMAs in the same order for any M,
+// so a row's bits do not depend on the rows beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
 // ready() runs in every thread after the first stages' weight copies are issued and before
 // any x is read, so a block whose x is still being written waits with its weights in flight.
-template <int G, bool COHERENT = false, typename Ready = NoWait>
+template <bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
-                                          int ks, float (&out)[G][4], Ready ready = Ready()) {
+                                          int ks, float (&out)[4], Ready ready = Ready()) {
     extern __shared__ uint4 stages[];  // [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8]
-    float4 (*part)[GEMV_WARPS][32] = gemv_part<G>();
+    float4 (*part)[32] = gemv_part();
     constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // 16-byte runs a row, a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
@@ -72,9 +70,9 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     }
     ready();
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's row
-    float c[G][2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
-    // token row m at k0 + 16q + 8h + 2t, +1: a column group's B fragments, from xr = row m's
-    const bf16* x0 = x + (u64)min(g, M - 1) * ldx + 2 * t;  // column group 0's row
+    float c[2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
+    // token row m at k0 + 16q + 8h + 2t, +1: the B fragments, from xr = row m's
+    const bf16* x0 = x + (u64)min(g, M - 1) * ldx + 2 * t;  // this lane's row
     auto load_b = [&](unsigned (&b)[GEMV_STAGE_K / 8], const bf16* xr, bool valid, int k0) {
 #pragma unroll
         for (int i = 0; i < GEMV_STAGE_K / 8; ++i) {
@@ -86,81 +84,51 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     for (int j = 0; j < n; ++j) {
         const int k0 = (share + ks * j) * GEMV_STAGE_K;
         unsigned b[GEMV_STAGE_K / 8];
-        load_b(b, x0, g < M, k0);  // the first group's x loads overlap the wait for the weights
+        load_b(b, x0, g < M, k0);  // the x loads overlap the wait for the weights
         cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
         const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;
-        if constexpr (G == 1) {
 #pragma unroll
-            for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
-                unsigned a[4];
-                ldmatrix_x4(a, st + ((2 * q + (mi >> 1)) ^ (row & 7)));
-                mma_bf16(c[0][q & 1], a, b + 2 * q);
-            }
-        } else {
-            // the stage's weight fragments once, then group by group, the next group's x in
-            // flight while this one's MMAs run (the same MMAs, in the same order, as G = 1)
-            unsigned a[GEMV_STAGE_K / 16][4];
-#pragma unroll
-            for (int q = 0; q < GEMV_STAGE_K / 16; ++q)
-                ldmatrix_x4(a[q], st + ((2 * q + (mi >> 1)) ^ (row & 7)));
-#pragma unroll
-            for (int gi = 0; gi < G; ++gi) {
-                if (8 * gi >= M) break;
-                unsigned nb[GEMV_STAGE_K / 8];
-                const int m = 8 * (gi + 1) + g;
-                if (gi + 1 < G && 8 * (gi + 1) < M)
-                    load_b(nb, x + (u64)min(m, M - 1) * ldx + 2 * t, m < M, k0);
-#pragma unroll
-                for (int q = 0; q < GEMV_STAGE_K / 16; ++q) mma_bf16(c[gi][q & 1], a[q], b + 2 * q);
-#pragma unroll
-                for (int i = 0; i < GEMV_STAGE_K / 8; ++i) b[i] = nb[i];
-            }
+        for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
+            unsigned a[4];
+            ldmatrix_x4(a, st + ((2 * q + (mi >> 1)) ^ (row & 7)));
+            mma_bf16(c[q & 1], a, b + 2 * q);
         }
         __syncwarp();  // the whole warp is done with this slot before it is refilled
         if (j + GEMV_STAGES < n) fill(j + GEMV_STAGES, j % GEMV_STAGES);
         cp_commit();
     }
-#pragma unroll
-    for (int gi = 0; gi < G; ++gi)
-        part[gi][warp][lane] = make_float4(c[gi][0][0] + c[gi][1][0], c[gi][0][1] + c[gi][1][1],
-                                           c[gi][0][2] + c[gi][1][2], c[gi][0][3] + c[gi][1][3]);
+    part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
+                                   c[0][3] + c[1][3]);
     __syncthreads();
     if (share != 0 || n0 >= N) return false;
-#pragma unroll
-    for (int gi = 0; gi < G; ++gi) {
-        float4 s = part[gi][warp][lane];
-        for (int w = 1; w < ks; ++w) {
-            const float4 p = part[gi][warp + w][lane];
-            s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
-        }
-        out[gi][0] = s.x, out[gi][1] = s.y, out[gi][2] = s.z, out[gi][3] = s.w;
+    float4 s = part[warp][lane];
+    for (int w = 1; w < ks; ++w) {
+        const float4 p = part[warp + w][lane];
+        s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
     }
+    out[0] = s.x, out[1] = s.y, out[2] = s.z, out[3] = s.w;
     return true;
 }
 
 // Calls put(n, m, value) for each of this lane's outputs that exists (n < N, m < M).
-template <int G, typename F>
-__device__ __forceinline__ void tile_outputs(const float (&out)[G][4], int n0, int N, int M,
-                                             F put) {
+template <typename F>
+__device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int N, int M, F put) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int n = n0 + g + 8 * (i >> 1), m = 8 * gi + 2 * t + (i & 1);
-            if (n < N && m < M) put(n, m, out[gi][i]);
-        }
+    for (int i = 0; i < 4; ++i) {
+        const int n = n0 + g + 8 * (i >> 1), m = 2 * t + (i & 1);
+        if (n < N && m < M) put(n, m, out[i]);
+    }
 }
 
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
-template <int G>
 __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
     const int n0 = gemv_tile_index(blockIdx.x, ks) * GEMV_TILE;
-    float out[G][4];
-    if (!gemv_tile<G>(W, N, K, x, M, ldx, n0, ks, out)) return;
+    float out[4];
+    if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
@@ -176,7 +144,6 @@ __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf1
 // flight, and compute while the q|k|v tiles still stream: the gates cost no launch and no wave
 // of their own. The last gate block to finish (sync[1] counts them) zeroes both counters for
 // the next call.
-template <int G>
 __device__ __forceinline__ void front_end(
     const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
     bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, const bf16* __restrict__ f_b,
@@ -193,8 +160,8 @@ __device__ __forceinline__ void front_end(
         const int i = gemv_tile_index(is_early ? blockIdx.x : blockIdx.x - early_blocks, s);
         const int n0 = is_early ? (i < early ? (first + i) * GEMV_TILE : N)  // N: a spare warp
                                 : (i < first ? i * GEMV_TILE : N);
-        float out[G][4];
-        if (!gemv_tile<G>(W, N, K, x, M, K, n0, s, out)) return;
+        float out[4];
+        if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
             const bf16 r = f2bf(v);
             if (n < 3 * qkv) {
@@ -229,8 +196,8 @@ __device__ __forceinline__ void front_end(
         const int n0 = gemv_tile_index(gb, ks_gate) * GEMV_TILE;
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
-        float out[G][4];
-        if (gemv_tile<G, true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
+        float out[4];
+        if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
                                ks_gate, out, early_done))  // f_b / g_b load while tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 const bf16 r = f2bf(v);
@@ -247,30 +214,273 @@ __device__ __forceinline__ void front_end(
     if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
 }
 
-// Each GEMV twice: for decode and decode_k (up to 8 token rows, one column group: the most
-// blocks an SM) and for batches (up to 8 GEMV_BATCH_GROUPS rows: every weight read once for
-// them all; one block an SM, whose 8 warps' two stages in flight keep the SM streaming, for
-// the accumulators' registers). Their dynamic shared memory (the rings) is exported for the
-// CUDA backend.
-#define GEMV_ENTRIES(SUFFIX, G, BLOCKS)                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS)                       \
-    dense_gemv_bf16##SUFFIX(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, \
-                            int ldy, int ks) {                                                  \
-        dense_gemv<G>(W, x, y, N, K, M, ldx, ldy, ks);                                           \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS) front_end_gemv##SUFFIX( \
+// The batch GEMVs: a block's GEMV_WARPS warps compute TB tiles (16 TB output rows from n0) for
+// up to 8 GEMV_BATCH_GROUPS token rows, a warp a tile and TB column groups of 8. The block
+// copies the tiles' weights and the x rows of each stage by cp.async into two rings (both
+// swizzled as gemv_tile's), so x crosses from L2 once a block and reaches the MMAs by
+// ldmatrix, where gemv_tile's warps each loaded every x word of every group from L2
+// themselves (latency-bound: docs/perf-log.md, v18). The weights come from DRAM and need
+// more bytes in flight than x from L2: the weights' ring is GEMV_SLAB_W_BYTES deep (less where
+// a block's shared memory cannot hold that beside x's: SMEM_PER_BLOCK), x's
+// GEMV_SLAB_X_STAGES; the first half of the warps copies weights and the second x, so each
+// half waits on its own commit groups. A warp walks the whole K: share 0's stages (0, ks,
+// 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
+// added to the running total in share order: exactly the MMAs, chains and sums of
+// gemv_tile's ks shares for every token row, so a row's bits are decode's.
+constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
+constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
+static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
+constexpr int SLAB_X_BYTES = GEMV_SLAB_X_STAGES * SLAB_ROWS * SLAB_RUNS * 16;
+constexpr int SLAB_W_BYTES = GEMV_SLAB_W_BYTES < SMEM_PER_BLOCK - SLAB_X_BYTES
+                                 ? GEMV_SLAB_W_BYTES : SMEM_PER_BLOCK - SLAB_X_BYTES;
+template <int TB>
+__host__ __device__ constexpr int slab_w_stages() {
+    return SLAB_W_BYTES / (TB * GEMV_TILE * SLAB_RUNS * 16);
+}
+template <int TB>
+__host__ __device__ constexpr int slab_smem() {
+    static_assert(slab_w_stages<TB>() >= 2, "weights in flight while a stage is read");
+    return slab_w_stages<TB>() * TB * GEMV_TILE * SLAB_RUNS * 16 + SLAB_X_BYTES;
+}
+
+// W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then
+// hold out[gi] for token rows 8 (g0 + gi) + 2t, + 1 of rows n0 + 16 tile + g, + 8 (g0 as
+// slab_outputs gives it). Every thread of the block must call it. ready() runs in every thread
+// after the first stages' weight copies are issued and before any x is read.
+template <int TB, typename Ready = NoWait>
+__device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int K,
+                                          const bf16* __restrict__ x, int M, int ldx, int n0,
+                                          int ks, float (&out)[TB][4], Ready ready = Ready()) {
+    extern __shared__ uint4 ring[];  // [SW][16 TB][SLAB_RUNS] weights, then [SX][SLAB_ROWS][SLAB_RUNS] x
+    constexpr int RUNS = SLAB_RUNS, WR = TB * GEMV_TILE, SW = slab_w_stages<TB>();
+    constexpr int SX = GEMV_SLAB_X_STAGES, PER = 16 * GEMV_WARPS / RUNS;  // rows a pass of a half
+    static_assert(SW >= 2 && SX >= 2 && WR % PER == 0, "rings of two stages at least");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bool copies_w = warp < GEMV_WARPS / 2;
+    const int ct = tid % (16 * GEMV_WARPS), c = tid % RUNS;  // this thread in its half
+    const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
+    const int last = max(N - 1, 0);
+    uint4* xring = ring + SW * WR * RUNS;
+    // the idx-th stage in share order: shares below rem hold q + 1 stages, the rest q
+    auto kblock = [&](int idx) {
+        const int big = rem * (q + 1);
+        return idx < big ? idx / (q + 1) + ks * (idx % (q + 1))
+                         : rem + (idx - big) / q + ks * ((idx - big) % q);
+    };
+    auto fill_w = [&](int idx) {
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = ring + (idx % SW) * WR * RUNS;
+#pragma unroll
+        for (int i = 0; i < WR / PER; ++i) {
+            const int r = PER * i + ct / RUNS;
+            cp_async16(st + r * RUNS + (c ^ (r & 7)), W + (u64)min(n0 + r, last) * K + (k < K ? k : 0),
+                       k < K ? 16 : 0);
+        }
+    };
+    // rows past M of the last column group zero-filled; those of groups past M not copied
+    // (no MMA reads them)
+    const int mg = (M + 7) & ~7;
+    auto fill_x = [&](int idx) {
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = xring + (idx % SX) * SLAB_ROWS * RUNS;
+#pragma unroll
+        for (int i = 0; i < SLAB_ROWS / PER; ++i) {
+            const int m = PER * i + ct / RUNS;
+            const bool in = m < M && k < K;
+            if (m < mg)
+                cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
+        }
+    };
+    if (copies_w)
+#pragma unroll
+        for (int u = 0; u < SW - 1; ++u) {
+            if (u < steps) fill_w(u);
+            cp_commit();
+        }
+    ready();
+    if (!copies_w)
+#pragma unroll
+        for (int u = 0; u < SX - 1; ++u) {
+            if (u < steps) fill_x(u);
+            cp_commit();
+        }
+    const bool mine = n0 + tile * GEMV_TILE < N;
+    const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's A row
+    float acc[TB][2][4] = {};  // even and odd k16 blocks, as gemv_tile's chains
+    int share = 0, left = q + (rem > 0);  // stages left in this share
+    for (int idx = 0; idx < steps; ++idx) {
+        if (copies_w) cp_wait<SW - 2>();
+        else cp_wait<SX - 2>();
+        __syncthreads();  // stage idx is in; every warp is done with the slots refilled next
+        if (copies_w) {
+            if (idx + SW - 1 < steps) fill_w(idx + SW - 1);
+        } else {
+            if (idx + SX - 1 < steps) fill_x(idx + SX - 1);
+        }
+        cp_commit();
+        if (mine) {
+            const uint4* st = ring + (idx % SW) * WR * RUNS;
+            unsigned a[GEMV_STAGE_K / 16][4];
+#pragma unroll
+            for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16)
+                ldmatrix_x4(a[k16], st + (tile * GEMV_TILE + row) * RUNS + ((2 * k16 + (mi >> 1)) ^ (row & 7)));
+#pragma unroll
+            for (int gi = 0; gi < TB; ++gi) {
+                if (8 * (g0 + gi) >= M) break;
+                const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * (g0 + gi) + (lane & 7)) * RUNS;
+#pragma unroll
+                for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
+                    unsigned b[4];  // the B fragments of k16 blocks 2 k32 and 2 k32 + 1
+                    ldmatrix_x4(b, xs + ((4 * k32 + mi) ^ (lane & 7)));
+                    mma_bf16(acc[gi][0], a[2 * k32], b);
+                    mma_bf16(acc[gi][1], a[2 * k32 + 1], b + 2);
+                }
+            }
+        }
+        if (--left == 0) {  // the end of a share: its sum into the total, in share order
+#pragma unroll
+            for (int gi = 0; gi < TB; ++gi)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float p = acc[gi][0][i] + acc[gi][1][i];
+                    out[gi][i] = share == 0 ? p : out[gi][i] + p;
+                    acc[gi][0][i] = acc[gi][1][i] = 0.0f;
+                }
+            ++share;
+            left = q + (share < rem);
+        }
+    }
+    return mine;
+}
+
+// Calls put(n, m, value) for each of this lane's gemv_slab outputs that exists (n < N, m < M).
+template <int TB, typename F>
+__device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, int N, int M,
+                                             F put) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int nt = n0 + warp / (GEMV_WARPS / TB) * GEMV_TILE, g0 = warp % (GEMV_WARPS / TB) * TB;
+#pragma unroll
+    for (int gi = 0; gi < TB; ++gi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = nt + g + 8 * (i >> 1), m = 8 * (g0 + gi) + 2 * t + (i & 1);
+            if (n < N && m < M) put(n, m, out[gi][i]);
+        }
+}
+
+// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block.
+template <int TB>
+__device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
+                                           bf16* __restrict__ y, int N, int K, int M, int ldx,
+                                           int ldy, int ks) {
+    const int n0 = blockIdx.x * TB * GEMV_TILE;
+    float out[TB][4];
+    if (gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, out))
+        slab_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+}
+
+// front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's
+// (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
+// proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
+// ks, ks_early and ks_gate are front_end's, so every output has its bits.
+template <int TB>
+__device__ __forceinline__ void front_end_slab(
+    const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
+    bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, const bf16* __restrict__ f_b,
+    const bf16* __restrict__ g_b, const float* __restrict__ a_log,
+    const float* __restrict__ dt_bias, bf16* __restrict__ g_raw, bf16* __restrict__ out_gate,
+    float* __restrict__ gate, float* __restrict__ beta, int* __restrict__ sync, int N, int K,
+    int M, int P, int ldg, int H, int D, int R, float lower_bound, int bounded, int ks,
+    int ks_early, int ks_gate, int early_blocks, int proj_blocks) {
+    const int qkv = H * D, rows = TB * GEMV_TILE;
+    if (blockIdx.x < proj_blocks) {
+        const bool is_early = blockIdx.x < early_blocks;
+        const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
+        const int n_end = is_early ? N : 3 * qkv;  // rows past it: another region's
+        float out[TB][4];
+        if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, is_early ? ks_early : ks, out))
+            slab_outputs(out, n0, n_end, M, [&](int n, int m, float v) {
+                const bf16 r = f2bf(v);
+                if (n < 3 * qkv) {
+                    qkv_proj[(u64)m * 3 * qkv + n] = r;
+                    qkv_parts[((u64)(n / qkv) * P + m) * qkv + n % qkv] = r;
+                } else {
+                    gate_in[(u64)m * ldg + n - 3 * qkv] = r;  // what the gate blocks read
+                }
+            });
+        if (is_early) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) atomicAdd(&sync[0], 1);
+        }
+        return;
+    }
+    auto early_done = [&]() {
+        if (threadIdx.x == 0) {
+            while (*reinterpret_cast<volatile int*>(&sync[0]) < early_blocks) __nanosleep(64);
+            __threadfence();
+        }
+        __syncthreads();
+    };
+    const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
+    const bf16* f_a = gate_in;
+    if (gb == gate_blocks - 1) {
+        early_done();
+        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
+            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
+    } else {
+        // qkv % rows == 0: a block is all f or all g
+        const int n0 = gb * rows;
+        const bool is_f = n0 < qkv;
+        const int c0 = is_f ? n0 : n0 - qkv;
+        float out[TB][4];
+        if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
+                          out, early_done))  // f_b / g_b load while the early blocks finish
+            slab_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
+                const bf16 r = f2bf(v);
+                if (is_f) {
+                    g_raw[(u64)m * qkv + c] = r;
+                    gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c],
+                                                            expf(a_log[c / D]), lower_bound, bounded);
+                } else {
+                    out_gate[(u64)m * qkv + c] = r;
+                }
+            });
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
+}
+
+// The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
+// an SM), and the batches' (up to SLAB_ROWS rows a launch, every weight read once for them
+// all). Their dynamic shared memory (the rings) is exported for the CUDA backend.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
+dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
+                int ks) {
+    dense_gemv(W, x, y, N, K, M, ldx, ldy, ks);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BATCH_BLOCKS_PER_SM)
+dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx,
+                      int ldy, int ks) {
+    dense_slab<GEMV_SLAB_TILES_DENSE>(W, x, y, N, K, M, ldx, ldy, ks);
+}
+#define FRONT_END_ENTRY(NAME, BLOCKS, BODY)                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS) NAME(                 \
         const bf16* W, const bf16* x, bf16* gate_in, bf16* qkv_parts, bf16* qkv_proj,           \
         const bf16* f_b, const bf16* g_b, const float* a_log, const float* dt_bias, bf16* g_raw, \
         bf16* out_gate, float* gate, float* beta, int* sync, int N, int K, int M, int P, int ldg, \
         int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early, int ks_gate,  \
         int early_blocks, int proj_blocks) {                                                    \
-        front_end<G>(W, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,       \
-                     out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, \
-                     ks, ks_early, ks_gate, early_blocks, proj_blocks);                         \
-    }                                                                                           \
-    extern "C" {                                                                                \
-    __constant__ int dense_gemv_bf16##SUFFIX##_smem = GEMV_RING_BYTES;                           \
-    __constant__ int front_end_gemv##SUFFIX##_smem = GEMV_RING_BYTES;                            \
+        BODY(W, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw, out_gate,     \
+             gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks, ks_early,    \
+             ks_gate, early_blocks, proj_blocks);                                               \
     }
-GEMV_ENTRIES(, 1, GEMV_BLOCKS_PER_SM)
-GEMV_ENTRIES(_batch, GEMV_BATCH_GROUPS, GEMV_BATCH_BLOCKS_PER_SM)
+FRONT_END_ENTRY(front_end_gemv, GEMV_BLOCKS_PER_SM, front_end)
+FRONT_END_ENTRY(front_end_gemv_batch, GEMV_BATCH_BLOCKS_PER_SM, front_end_slab<GEMV_SLAB_TILES>)
+extern "C" {
+__constant__ int dense_gemv_bf16_smem = GEMV_RING_BYTES;
+__constant__ int front_end_gemv_smem = GEMV_RING_BYTES;
+__constant__ int dense_gemv_bf16_batch_smem = slab_smem<GEMV_SLAB_TILES_DENSE>();
+__constant__ int front_end_gemv_batch_smem = slab_smem<GEMV_SLAB_TILES>();
+}

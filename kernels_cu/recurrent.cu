@@ -28,21 +28,61 @@ __device__ __forceinline__ void stv(float* p, const float (&v)[2]) {
     *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
 }
 
-// BATCH: a sequence of a batch, its snapshots at the indices snap_slots gives (< 0: skipped);
-// else decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
-template <int D, bool BATCH, int SPLIT>
+// One token of a channel's causal conv + SiLU: the input enters tap W-1, the W taps are
+// weighted in order, and the taps roll by one for the next token (compile-time indices keep
+// tap[] in registers).
+__device__ __forceinline__ float conv_row(bf16 (&tap)[MAX_CONV_KERNEL],
+                                          const float (&wt)[MAX_CONV_KERNEL], bf16 xin, int W) {
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j)
+        if (j == W - 1) tap[j] = xin;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j)
+        if (j < W) acc = __fmaf_rn(wt[j], bf2f(tap[j]), acc);
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
+        if (j < W - 1) tap[j] = tap[j + 1];
+    return acc * sigmoidf_(acc);
+}
+
+// A channel's carried taps and weights [W-1] / [W] from conv_state / conv_w (column c).
+__device__ __forceinline__ void conv_load(bf16 (&tap)[MAX_CONV_KERNEL], float (&wt)[MAX_CONV_KERNEL],
+                                          const bf16* conv_state, const float* __restrict__ conv_w, int c,
+                                          int conv_dim, int W) {
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
+        if (j >= W - 1) break;
+        tap[j] = conv_state[(u64)j * conv_dim + c];
+    }
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
+        if (j >= W) break;
+        wt[j] = conv_w[(u64)j * conv_dim + c];
+    }
+}
+
+// Its taps [W-1] back to a conv state (the carried one, or a snapshot's).
+__device__ __forceinline__ void conv_store(bf16* conv_state, const bf16 (&tap)[MAX_CONV_KERNEL],
+                                           int c, int conv_dim, int W) {
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
+        if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+}
+
+// decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
+template <int D, int SPLIT>
 __device__ __forceinline__ void decode_rows(
     const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
     bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv,
-    const int* __restrict__ snap_slots, int* __restrict__ sync, int nrows, int nsnap, int H,
-    int W, float scale, float eps) {
+    float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
+    int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
     constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
     __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
-    __shared__ int last, snap[BATCH ? MAX_DECODE_ROWS : 1];
+    __shared__ int last;
     const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int qkv = H * D, conv_dim = 3 * qkv;
     const int p = tid / D, d = tid % D;  // p: 0 q, 1 k, 2 v, 3 gate
@@ -53,7 +93,6 @@ __device__ __forceinline__ void decode_rows(
     // Every load that depends on nothing is issued first, so the state rows' latency overlaps
     // the conv's: this warp's rows of the state, then the taps of this thread's channel. Both
     // stay in registers for all nrows tokens and are written back once.
-    if (BATCH && tid < nsnap) snap[tid] = snap_slots[tid];  // read after the first barrier
     float* S = state + (u64)h * D * D;
     float s[ROWS_PER_WARP][E];
     if (warp < RW)
@@ -61,18 +100,7 @@ __device__ __forceinline__ void decode_rows(
         for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
     bf16 tap[MAX_CONV_KERNEL];
     float wt[MAX_CONV_KERNEL];
-    if (p < 2 || mine_v) {
-#pragma unroll
-        for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
-            if (j >= W - 1) break;
-            tap[j] = conv_state[(u64)j * conv_dim + c];
-        }
-#pragma unroll
-        for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
-            if (j >= W) break;
-            wt[j] = conv_w[(u64)j * conv_dim + c];
-        }
-    }
+    if (p < 2 || mine_v) conv_load(tap, wt, conv_state, conv_w, c, conv_dim, W);
     // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
     // finish needs them), warp `row` for token row `row`, lane dims E lane.. (gated_rms's order).
     float og[E], nw[E];
@@ -86,18 +114,7 @@ __device__ __forceinline__ void decode_rows(
         const float b = warp < RW ? beta[(u64)row * H + h] : 0.0f;
         float y = 0.0f;
         if (p < 2 || mine_v) {
-            const bf16 xin = x[(u64)row * conv_dim + c];
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL; ++j)  // compile-time indices keep tap[] in registers
-                if (j == W - 1) tap[j] = xin;
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL; ++j)
-                if (j < W) acc = __fmaf_rn(wt[j], bf2f(tap[j]), acc);
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // roll in registers
-                if (j < W - 1) tap[j] = tap[j + 1];
-            y = acc * sigmoidf_(acc);
+            y = conv_row(tap, wt, x[(u64)row * conv_dim + c], W);
         } else if (p == 3) {
             gx[d] = expf(gate[(u64)row * qkv + h * D + d]);
         }
@@ -143,17 +160,12 @@ __device__ __forceinline__ void decode_rows(
                 o = warp_sum(o);
                 if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
             }
-            const int si = BATCH ? snap[row] : row;
-            if (row < nsnap && si >= 0)  // the state after this row, for a partial accept
+            if (row < nsnap)  // the state after this row, for a partial accept
 #pragma unroll
                 for (int r = 0; r < ROWS_PER_WARP; ++r)
-                    stv(snap_rec + ((u64)si * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
+                    stv(snap_rec + ((u64)row * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
         }
-        const int si = BATCH ? snap[row] : row;
-        if (row < nsnap && owner && si >= 0)
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
-                if (j < W - 1) snap_conv[((u64)si * (W - 1) + j) * conv_dim + c] = tap[j];
+        if (row < nsnap && owner) conv_store(snap_conv + (u64)row * (W - 1) * conv_dim, tap, c, conv_dim, W);
         __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
     }
     // The gated RMSNorm needs the head's D outputs from all SPLIT blocks: the last block to
@@ -176,19 +188,13 @@ __device__ __forceinline__ void decode_rows(
 #pragma unroll
             for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
         }
-        if (p < 2)
-#pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
-                if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+        if (p < 2) conv_store(conv_state, tap, c, conv_dim, W);
         if (tid == 0) sync[h] = 0;
     }
     if (warp < RW)
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
-    if (mine_v)
-#pragma unroll
-        for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
-            if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
+    if (mine_v) conv_store(conv_state, tap, c, conv_dim, W);
 }
 
 #define KDA_DECODE_ROWS(D)                                                                      \
@@ -197,33 +203,182 @@ __device__ __forceinline__ void decode_rows(
         const float* beta, float* state, float* core, const bf16* out_gate,                     \
         const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
         int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
-        decode_rows<D, false, DECODE_SPLIT>(x, conv_state, conv_w, conv_out, gate, beta, state, core,         \
-                              out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, nullptr,     \
-                              sync, nrows, nsnap, H, W, scale, eps);                            \
+        decode_rows<D, DECODE_SPLIT>(x, conv_state, conv_w, conv_out, gate, beta, state, core,  \
+                                     out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, sync, \
+                                     nrows, nsnap, H, W, scale, eps);                           \
     }
+// Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
+// slice D / split.. of it (split = gridDim.y, a power of two up to 16: small batches split a
+// head over more blocks, so the state still streams through the whole GPU). 2 D threads: each
+// first convolves q (threads < D) or k, then v or the decay, for all nrows tokens before any
+// state row moves, so the K tokens of a verify cost two barriers, not two a token; then each
+// of the D / 16 warps walks its 16 / split state rows through all tokens in registers. Every
+// value is formed by decode_rows' arithmetic in its order (the conv's taps, the L2 partial
+// sums a warp of 32 channels at a time, a state row's lane split and warp sums, the norm), so
+// a sequence's bits equal decode's and decode_k's whatever its batch and split.
+template <int D>
+__device__ __forceinline__ void decode_batch(
+    const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
+    bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
+    float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
+    const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
+    float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
+    int* __restrict__ sync, int nrows, int nsnap, int H, int W, float scale, float eps) {
+    constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
+    __shared__ __align__(16) float qs[R][D], ks[R][D], vs[R][D], gx[R][D], cs[R][D], ogs[R][D];
+    __shared__ __align__(16) float nws[D];
+    __shared__ float part[R][NW], bs[R];
+    __shared__ bf16 tap_s[MAX_CONV_KERNEL - 1][2 * D];
+    __shared__ int last, snap[R];
+    const int h = blockIdx.x, slice = blockIdx.y, split = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qkv = H * D, conv_dim = 3 * qkv, rows = D / split, rpw = RPW / split;
+    const int pair = tid / D, d = tid % D;
+    const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
+    const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
+    const int row0 = slice * rows + warp * rpw;            // this warp's first state row
+    // The loads that depend on nothing first, so the state rows' latency overlaps the conv's.
+    float* S = state + (u64)h * D * D;
+    float s[RPW][E];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+        if (r < rpw) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
+    if (tid < nsnap) snap[tid] = snap_slots[tid];
+    if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
+    if (tid < D) nws[tid] = o_norm_w[tid];
+    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
+    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
+    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
+    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
+    // The conv of every token: q / k kept unnormalised in registers until the L2 partial sums
+    // of all tokens are in; v, the decay and the norm's gate straight to shared memory.
+    float ya[R];
+#pragma unroll
+    for (int t = 0; t < R; ++t) {
+        if (t >= nrows) break;
+        ya[t] = conv_row(ta, wa, x[(u64)t * conv_dim + ca], W);
+        const float sq = warp_sum(ya[t] * ya[t]);
+        if (lane == 0) part[t][warp] = sq;
+        if (mine_v) {
+            const bf16 r = f2bf(conv_row(tv, wv, x[(u64)t * conv_dim + cv], W));
+            conv_out[(u64)t * conv_dim + cv] = r;
+            vs[t][d] = bf2f(r);
+        } else if (pair == 1) {
+            gx[t][d] = expf(gate[(u64)t * qkv + h * D + d]);
+            ogs[t][d] = bf2f(out_gate[(u64)t * qkv + h * D + d]);
+        }
+        const int si = t < nsnap ? snap_slots[t] : -1;  // the conv state after this token
+        if (si >= 0) {
+            bf16* to = conv_pool + (u64)si * (W - 1) * conv_dim;
+            if (slice == 0) conv_store(to, ta, ca, conv_dim, W);
+            if (mine_v) conv_store(to, tv, cv, conv_dim, W);
+        }
+    }
+    if (mine_v) conv_store(conv_state, tv, cv, conv_dim, W);  // no other block reads them
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // q / k's, stored once every block read them
+        if (j < W - 1) tap_s[j][tid] = ta[j];
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < R; ++t) {
+        if (t >= nrows) break;
+        float ss = 0.0f;
+        for (int i = 0; i < D / 32; ++i) ss += part[t][pair * (D / 32) + i];
+        const bf16 r = f2bf(ya[t] * (1.0f / sqrtf(ss + L2_NORM_EPS)));
+        if (slice == 0) conv_out[(u64)t * conv_dim + ca] = r;
+        (pair == 0 ? qs : ks)[t][d] = bf2f(r);
+    }
+    __syncthreads();
+    // The delta-rule step, token by token, on this warp's rows.
+#pragma unroll 1
+    for (int t = 0; t < nrows; ++t) {
+        float gv[E], kv[E], qv[E];
+        ldv(gv, gx[t] + lane * E);
+        ldv(kv, ks[t] + lane * E);
+        ldv(qv, qs[t] + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) qv[e] *= scale;
+        const int si = t < nsnap ? snap[t] : -1;
+        float* to = rec_pool + ((u64)si * H + h) * D * D;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            if (r >= rpw) break;
+            const int j = row0 + r;
+            float kS = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                s[r][e] *= gv[e];
+                kS = __fmaf_rn(s[r][e], kv[e], kS);
+            }
+            const float bres = bs[t] * (vs[t][j] - warp_sum(kS));
+            float o = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
+                o = __fmaf_rn(s[r][e], qv[e], o);
+            }
+            o = warp_sum(o);
+            if (lane == 0) {
+                core[(u64)t * qkv + h * D + j] = o;
+                cs[t][j] = o;
+            }
+            if (si >= 0) stv(to + (u64)j * D + lane * E, s[r]);  // for a partial accept
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+        if (r < rpw) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
+    // The gated RMSNorm needs the head's D outputs: in this block's shared memory at split 1,
+    // else the last of the head's blocks to finish (a counter, left at zero again) reads them
+    // back. That block also stores the q / k conv state, which every block read at its start.
+    if (split > 1) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(&sync[h], 1) == split - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        if (tid == 0) sync[h] = 0;
+    } else {
+        __syncthreads();
+    }
+    for (int t = warp; t < nrows; t += NW) {
+        const u64 o = (u64)t * qkv + h * D + lane * E;
+        float v[E], og[E], nw[E];
+        unsigned y[E / 2];
+        ldv(og, ogs[t] + lane * E);
+        ldv(nw, nws + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t][lane * E + e];
+        gated_rms(v, nw, og, D, eps, y);
+#pragma unroll
+        for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
+    }
+    for (int j = 0; j < W - 1; ++j) conv_state[(u64)j * conv_dim + ca] = tap_s[j][tid];
+}
+
 // A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the
 // states of slot slots[b] in pools [slots, H, Dv, Dk] and [slots, W-1, conv_dim] (a slot < 0
 // is a padding row: its blocks read and write nothing); the state after its row r < nsnap goes
 // to pool slot snap_slots[b (nrows-1) + r] (< 0: skipped). sync has a counter per (sequence,
-// head). Each row runs decode's code, so a sequence's bits do not depend on its batch. A
-// batch fills the GPU with sequences, so DECODE_BATCH_SPLIT blocks (one) take a head: every
-// warp walks state rows and q, k and the decay are formed once.
+// head).
 #define KDA_DECODE_BATCH(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(4 * D, 2) kda_decode_batch_d##D(                  \
-        const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate, \
-        const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
-        const float* o_norm_w, bf16* o_norm_out, const int* slots, const int* snap_slots,       \
-        int* sync, int nseq, int nrows, int nsnap, int H, int W, float scale, float eps) {      \
+    extern "C" __global__ void __launch_bounds__(2 * D, DECODE_BATCH_BLOCKS_PER_SM)             \
+    kda_decode_batch_d##D(const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out,  \
+                          const float* gate, const float* beta, float* rec_pool, float* core,   \
+                          const bf16* out_gate, const float* o_norm_w, bf16* o_norm_out,        \
+                          const int* slots, const int* snap_slots, int* sync, int nseq,         \
+                          int nrows, int nsnap, int H, int W, float scale, float eps) {         \
         const int b = blockIdx.z, slot = b < nseq ? slots[b] : -1;                              \
         if (slot < 0) return;                                                                   \
         const int qkv = H * D, conv_dim = 3 * qkv;                                              \
         const u64 r0 = (u64)b * nrows;                                                          \
-        decode_rows<D, true, DECODE_BATCH_SPLIT>(x + r0 * conv_dim, conv_pool + (u64)slot * (W - 1) * conv_dim,     \
-                             conv_w, conv_out + r0 * conv_dim, gate + r0 * qkv, beta + r0 * H,  \
-                             rec_pool + (u64)slot * H * D * D, core + r0 * qkv,                 \
-                             out_gate + r0 * qkv, o_norm_w, o_norm_out + r0 * qkv, rec_pool,    \
-                             conv_pool, snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0),      \
-                             sync + (u64)b * H, nrows, nsnap, H, W, scale, eps);                \
+        decode_batch<D>(x + r0 * conv_dim, conv_pool + (u64)slot * (W - 1) * conv_dim, conv_w,  \
+                        conv_out + r0 * conv_dim, gate + r0 * qkv, beta + r0 * H,               \
+                        rec_pool + (u64)slot * H * D * D, core + r0 * qkv, out_gate + r0 * qkv, \
+                        o_norm_w, o_norm_out + r0 * qkv, rec_pool, conv_pool,                   \
+                        snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0), sync + (u64)b * H,   \
+                        nrows, nsnap, H, W, scale, eps);                                        \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)

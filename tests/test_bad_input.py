@@ -21,12 +21,13 @@ from safetensors.numpy import load_file, save_file
 
 from kdarun import DevicePtr, Glm5NextKdaWorkspace, KdaError, KdaSeqState, open_backend, synthetic
 from kdarun.backends import cuda_available
-from kdarun.checkpoint import INDEX_FILE, LAYER_PREFIXES, canonical, tensor_name
+from kdarun.checkpoint import INDEX_FILE, LAYER_PREFIXES, canonical, shard_tensors, tensor_name
 from kdarun.cli import main
 from kdarun.host_backend import HostBackend
 from kdarun.loader import load_stack
 from kdarun.pool import KdaStatePool
 from kdarun.run import RunPlan, random_hidden, run_layer
+from kdarun.tp import TpGroup, launch
 from kdarun.weights import Glm5NextKdaWeights
 
 KIMI = LAYER_PREFIXES["kimi_linear"]
@@ -637,7 +638,32 @@ NUMBERS = [
     Case("bench-k-0", lambda tmp, made: ["bench", "--k", "0"], 2, "not in the range 1<=x<=8"),
 ]
 
-CASES = CONFIGS + WEIGHTS + INDEXES + INPUTS + OUTPUTS + DUMPS + NUMBERS
+TP = [
+    Case("tp-0", lambda tmp, made: ["layer-run", "--tp", "0"], 2,
+         r"'--tp': 0 is not in the range x>=1"),
+    Case("tp-not-dividing-heads", lambda tmp, made: ["layer-run", *RUN, "--tp", "3"], 1,
+         r"num_heads 4 is not divisible by tp_size 3; .*\(divisors of 4: \[1, 2, 4\]\)"),
+    Case("tp-past-the-heads", lambda tmp, made: ["layer-run", made["glm"], *RUN, "--tp", "8"], 1,
+         "num_heads 4 is not divisible by tp_size 8"),
+    Case("tp-with-batch", lambda tmp, made: ["layer-run", *RUN, "--tp", "2", "--batch", "2"], 2,
+         "the serving run of --batch is not tensor parallel"),
+    Case("tp-with-dump", lambda tmp, made: ["layer-run", *RUN, "--tp", "2", "--dump-stages",
+                                            tmp / "d"], 2, "dump with --tp 1"),
+    Case("tp-nccl-on-host", lambda tmp, made: ["layer-run", *RUN, "--tp", "2", "--tp-mode",
+                                               "nccl"], 2,
+         "--tp-mode nccl runs on CUDA GPUs; the backend is host"),
+    Case("tp-mode-unknown", lambda tmp, made: ["layer-run", "--tp", "2", "--tp-mode", "mpi"], 2,
+         "'mpi' is not one of"),
+    Case("bench-tp-prefill", lambda tmp, made: ["bench", "--tp", "2", "--mode", "prefill"], 2,
+         "--tp times decode and decode-k; got --mode prefill"),
+    Case("bench-tp-not-dividing-heads", lambda tmp, made: ["bench", "--tp", "3"], 1,
+         "num_heads 32 is not divisible by tp_size 3"),
+    Case("bench-tp-nccl-too-few-gpus", lambda tmp, made: ["bench", "--tp", "2", "--tp-mode",
+                                                          "nccl"], 1,
+         r"--tp 2 over NCCL needs 2 GPUs, one a rank, but \d+ (is|are) visible; .*in-turn"),
+]
+
+CASES = CONFIGS + WEIGHTS + INDEXES + INPUTS + OUTPUTS + DUMPS + NUMBERS + TP
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -652,7 +678,7 @@ def test_bad_input_is_refused_and_changes_nothing(case: Case, made, tmp_path):
 
 def test_the_suite_covers_every_class():
     classes = {"configs": CONFIGS, "weights": WEIGHTS, "indexes": INDEXES, "inputs": INPUTS,
-               "outputs": OUTPUTS, "dumps": DUMPS, "numbers": NUMBERS}
+               "outputs": OUTPUTS, "dumps": DUMPS, "numbers": NUMBERS, "tp": TP}
     assert all(len(c) >= 5 for c in classes.values()) and len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
 
@@ -922,6 +948,10 @@ def _cfg():
     (lambda gpu, c: RunPlan(4, 0, 9).check(), r"k must be an integer in \[0, 8\], got 9"),
     (lambda gpu, c: open_backend("tpu"), "expected 'auto', 'cuda' or 'host'"),
     (lambda gpu, c: gpu.alloc(0), "nbytes must be a positive integer"),
+    (lambda gpu, c: c.shard(0), "tp_size must be an integer >= 1, got 0"),
+    (lambda gpu, c: c.check_tp(-1, 2), "tp_rank must be an integer >= 0, got -1"),
+    (lambda gpu, c: shard_tensors(c, {}, 4, 4), r"tp_rank must lie in \[0, 4\), got 4"),
+    (lambda gpu, c: launch(64, print), r"--tp 64 over NCCL needs 64 GPUs"),
 ])
 def test_api_misuse_is_a_kda_error(call, pattern):
     gpu = HostBackend()
@@ -934,6 +964,10 @@ def test_load_stack_refuses_bad_arguments_before_allocating(made):
     for kw, pattern in (({"max_tokens": 0}, "max_tokens must be a positive integer"),
                         ({"max_tokens": 8, "layers": [3]}, "layer 3 is not a KDA layer"),
                         ({"max_tokens": 8, "layers": [True]}, "layer index must be an integer"),
+                        ({"max_tokens": 8, "tp_size": 3}, "num_heads 4 is not divisible by "
+                                                          "tp_size 3"),
+                        ({"max_tokens": 8, "tp_rank": 2, "tp_size": 2},
+                         r"tp_rank must lie in \[0, 2\), got 2"),
                         ({"max_tokens": 10 ** 9}, r"3 layer\(s\) with a workspace of "
                                                   r"1000000000 tokens needs")):
         with pytest.raises(KdaError, match=pattern):
@@ -945,6 +979,29 @@ def test_run_layer_refuses_too_few_rows(bound):
     gpu, stack, _ = bound
     with pytest.raises(KdaError, match="9 tokens planned but only 5 hidden rows"):
         run_layer(gpu, stack, 0, random_hidden(5, 256, 0), RunPlan(8, 1))
+
+
+def test_tp_group_refuses_a_wrong_set_of_ranks(made):
+    """A group in turn needs every rank's stack in order, a state a rank, and rows its sum
+    buffer holds; a freed group refuses its sum."""
+    gpu = HostBackend()
+    r0, r1 = (load_stack(gpu, made["single"], 4, [0], 0, r, 2) for r in (0, 1))
+    whole = load_stack(gpu, made["single"], 4, [0])
+    with pytest.raises(KdaError, match=r"need the stacks of ranks \[0, 1\], in order, got "
+                                       r"\[1, 0\]"):
+        TpGroup.of(gpu, [r1, r0], 0)
+    with pytest.raises(KdaError, match=r"stacks come from groups of sizes \[1, 2\]"):
+        TpGroup.of(gpu, [r0, whole], 0)
+    group = TpGroup.of(gpu, [r0, r1], 0, max_rows=2)
+    h = gpu.upload(random_hidden(3, 256, 0))
+    states = [KdaSeqState(gpu, r0.cfg) for _ in range(2)]
+    with pytest.raises(KdaError, match=r"pass one a held rank \(2\), got 1"):
+        group.decode(gpu, h, states[:1], 0)
+    with pytest.raises(KdaError, match=r"3 rows exceed the sum buffer's 2"):
+        group.decode_k(gpu, h, 3, states, None, 0)
+    group.free()
+    with pytest.raises(KdaError, match="was freed"):
+        group.decode(gpu, h, states, 0)
 
 
 # -- memory -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from kdarun.loader import load_stack
 
 def test_every_sequence_of_a_batch_matches_the_reference(host, ckpts):
     stack = load_stack(host, ckpts["bounded"], 128, [1])
-    checks = run_batch(host, stack, 1, 6, seed=3, max_prompt=128)
+    checks = run_batch(host, stack, 1, 6, seed=3, max_prompt=128).checks
     assert [c.sequence for c in checks] == list(range(6))
     assert [c.prefill for c in checks][:4] == [1, 63, 64, 65]
     assert len({c.slot for c in checks}) == 6

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdarun import KdaError
+from kdarun import KdaError, kernels, open_backend, synthetic
+from kdarun.kernels import GEMV_SLAB_TILES, GEMV_TILE, Glm5NextKdaKernels
 from kdarun.pool import KdaStatePool
 
 from .helpers import (Env, assert_batch_matches_single, assert_packed_matches_alone, bits,
@@ -26,6 +27,41 @@ def test_decode_batch_bit_identical_to_decode(env, B):
 @pytest.mark.parametrize("B, K", [(1, 2), (3, 4), (8, 3)])
 def test_verify_batch_bit_identical_to_decode_k(env, B, K):
     assert_batch_matches_single(env, B, K, seed=20 + B, pad=1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-linear-48b", "glm-5.3-flash"])
+def test_front_end_batch_plan_covers_every_row(preset):
+    """front_end_gemv_batch takes front_end_gemv's shares (a row's sums follow them, so its bits
+    are decode's), its blocks of GEMV_SLAB_TILES tiles cover each region's rows exactly, and a
+    gate block's rows are all f_b's or all g_b's."""
+    cfg = synthetic.preset_config(preset)
+    kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    launch, args = kn._front_end_batch_plan
+    _, single = kn._front_end_plan
+    assert [int(a) for a in args[:3]] == [int(a) for a in single[:3]]
+    early_blocks, proj_blocks = int(args[3]), int(args[4])
+    rows = GEMV_SLAB_TILES * GEMV_TILE
+    assert cfg.qkv % rows == 0
+    for n, blocks in ((cfg.gate_in_rows, early_blocks), (cfg.conv_dim, proj_blocks - early_blocks),
+                      (2 * cfg.qkv, launch.grid[0] - proj_blocks - 1)):
+        assert (blocks - 1) * rows < n <= blocks * rows
+
+
+@pytest.mark.parametrize("sm_count", [1, 16, 132])
+def test_batch_split_fills_the_gpu_once(sm_count):
+    """kda_decode_batch splits a head over a power of two of blocks, at most
+    DECODE_BATCH_MAX_SPLIT, the fewest that fill the SMs once (1 for large batches)."""
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    class Sized(type(open_backend("host", announce=False))):
+        pass
+    Sized.sm_count = sm_count
+    kn = Glm5NextKdaKernels(Sized(), cfg)
+    full = sm_count * kernels.DECODE_BATCH_BLOCKS_PER_SM
+    for nseq in (1, 2, 3, 8, 64, 256):
+        split = kn._batch_split(nseq)
+        assert split & (split - 1) == 0 and split <= kernels.DECODE_BATCH_MAX_SPLIT
+        assert split == kernels.DECODE_BATCH_MAX_SPLIT or nseq * cfg.num_heads * split >= full
+        assert split == 1 or nseq * cfg.num_heads * split // 2 < full
 
 
 def test_graph_replay_with_new_slot_table_equals_eager(env):
@@ -83,14 +119,30 @@ def test_pool_slots_and_errors(env):
                                env.ws, 0)
 
 
+@pytest.fixture(scope="module")
+def wide(host, ckpts):
+    """A workspace that holds the packs below in one window."""
+    return Env(host, ckpts["bounded"], 1024)
+
+
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
-def test_prefill_packed_equals_each_prefill(env, initial):
-    lengths = [1, 63, 64, 65, 200]
-    assert_packed_matches_alone(env, lengths, [initial, not initial, initial, True, initial], seed=60)
+def test_prefill_packed_equals_each_prefill(wide, initial):
+    assert_packed_matches_alone(wide, [1, 63, 64, 65, 700],
+                                [initial, not initial, initial, True, initial], seed=60)
 
 
-def test_prefill_packed_checkpoints_equal_prefix_prefills(env):
-    assert_packed_matches_alone(env, [200, 64, 129], [True, False, True], seed=70, checkpoint_every=64)
+def test_prefill_packed_checkpoints_equal_prefix_prefills(wide):
+    assert_packed_matches_alone(wide, [200, 64, 129, 1], [True, False, True, False], seed=70,
+                                checkpoint_every=64)
+
+
+def test_prefill_packed_in_windows(env):
+    """A pack past the workspace (256 tokens) runs in windows, a sequence longer than one in
+    pieces through its slot: the same bits as each sequence alone."""
+    assert_packed_matches_alone(env, [1, 63, 300, 65, 200], [False, True, True, False, True],
+                                seed=75)
+    assert_packed_matches_alone(env, [300, 64, 129], [True, False, True], seed=76,
+                                checkpoint_every=128)
 
 
 def test_prefill_packed_refuses_bad_packs(env):

@@ -141,3 +141,51 @@ def test_bad_use(dump, tmp_path):
         compare_stages(dump, other)
     r = cli("stages", dump)
     assert r.exit_code != 0 and "exactly one of --against OTHER_DIR or --reference" in r.output
+
+
+@pytest.fixture(scope="module")
+def batch_dump(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dump") / "batch"
+    r = cli("layer-run", "--batch", 3, "--tokens", 70, "--decode-steps", 2, "--k", 2,
+            "--backend", "host", "--seed", 4, "--dump-stages", d)
+    assert r.exit_code == 0, r.output
+    return d
+
+
+def test_batch_dump_keys_every_sequence_apart(batch_dump):
+    d = load_dump(batch_dump)
+    run = d.run
+    lengths = run["batch"]["lengths"]
+    assert run["plan"] == {"prefill": 70, "decode_steps": 2, "k": 2} and len(lengths) == 3
+    assert d.hidden.shape[0] == sum(lengths) + 3 * (2 + 2)
+    for i in range(3):  # the pack (1 + 63 + 64 rows) runs in windows of 70
+        assert d.tensors[f"seq{i}.prefill/core"].shape == (lengths[i], 4, 64)
+        assert d.tensors[f"seq{i}.prefill/q_f32"].shape == (lengths[i], 256)  # padded rows
+        assert d.tensors[f"seq{i}.verify/core"].shape == (2, 4, 64)  # its k rows
+        assert d.tensors[f"seq{i}.decode.1/qkv_parts"].shape[:2] == (3, 1)
+        for call in ("prefill", "decode.0", "decode.1", "verify"):
+            assert f"seq{i}.{call}/state.recurrent" in d.keys
+    table = compare_stages(batch_dump)
+    assert table.ok and len(table.rows) == len(d.keys)
+
+
+@pytest.mark.parametrize("key", ["seq2.prefill/k_f32", "seq1.verify/core",
+                                 "seq2.decode.0/gate", "seq0.decode.1/state.conv"])
+def test_planted_wrong_stage_of_one_sequence_is_the_first_failure(batch_dump, tmp_path, key):
+    bad = _plant(batch_dump, tmp_path / "bad", key,
+                 lambda a: (-a.astype(np.float32) - 1).astype(a.dtype))
+    for table in (compare_stages(bad), compare_stages(bad, batch_dump)):
+        assert [r.key for r in table.rows if not r.ok] == [key]
+        assert table.first_failure.key == key
+
+
+def test_batch_dump_repeats_and_is_not_a_single_run(batch_dump, dump, tmp_path):
+    run = json.loads((batch_dump / "manifest.json").read_text())["run"]
+    again = tmp_path / "again"
+    assert cli(*shlex.split(run["command"])[1:], "--dump-stages", again).exit_code == 0
+    a, b = load_dump(batch_dump), load_dump(again)
+    assert a.keys == b.keys and a.run["batch"] == b.run["batch"]
+    for k in a.keys:
+        assert np.array_equal(a.tensors[k].view(np.uint8), b.tensors[k].view(np.uint8)), k
+    with pytest.raises(KdaError, match="different runs"):
+        compare_stages(batch_dump, dump)

@@ -121,6 +121,8 @@ def main() -> int:
                                  f"prefill ({r.one_ms:.2f}); checkpoints every "
                                  f"{bench.CHECKPOINT_EVERY}: {r.ms_checkpoints / r.ms:.2f}x{vs}"))
                     print(rows[-1], flush=True)
+                    print("  each step of the packed table, ms: " + ", ".join(
+                        f"{n} {v:.3f}" for n, v in r.steps_ms.items()), flush=True)
             if "prefill" not in modes:
                 continue
             for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):

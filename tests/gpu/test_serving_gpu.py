@@ -1,6 +1,7 @@
 """Serving on CUDA: batched decode and batched verify bit-identical, sequence by sequence, to
 the single-sequence calls; graph replays with new slot tables; the same calls on PyTorch's
-tensors and stream, inside its graph capture too."""
+tensors and stream, inside its graph capture too; packed prefill, on each walk of the chunked
+core."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from kdarun import DevicePtr
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
-from ..helpers import assert_batch_matches_single, assert_packed_matches_alone, bits
+from ..helpers import (Env, assert_batch_matches_single, assert_packed_matches_alone, bits,
+                       forced_core)
 
 
 @pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
@@ -111,14 +113,49 @@ def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
                 assert np.array_equal(bits(a), bits(b)), (capture, s)
 
 
+# cuBLAS may round a row of a GEMM over the pack's rows otherwise than over one sequence's;
+# given the same GEMM outputs the rest is exact (assert_packed_matches_alone checks both).
+# Measured on the H200: the tiny presets bit-identical, the D = 128 stack (hidden 1000) up to
+# 2.9e-3 (final_out) and 1.2e-3 (state, 60 sequences); about twice and 1.6x that:
+PACK_OUT_TOL, PACK_STATE_TOL = 6e-3, 2e-3
+
+
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
-def test_prefill_packed_equals_each_prefill(pair, initial):
-    cu, _ = pair
-    assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000], [initial, not initial, initial, True,
-                                                            initial], seed=500)
+def test_prefill_packed_equals_each_prefill(core_pair, initial):
+    cu, _ = core_pair
+    diff = assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000],
+                                       [initial, not initial, initial, True, initial], seed=500,
+                                       gemm_exact=False, out_tol=PACK_OUT_TOL,
+                                       state_tol=PACK_STATE_TOL)
+    print(f"packed vs alone, rel: {diff}")
 
 
-def test_prefill_packed_checkpoints_equal_prefix_prefills(pair):
-    cu, _ = pair
-    assert_packed_matches_alone(cu, [1000, 256, 300], [True, False, True], seed=510,
-                                checkpoint_every=256, windows_exact=False)
+def test_prefill_packed_checkpoints_equal_prefix_prefills(core_pair):
+    cu, _ = core_pair
+    diff = assert_packed_matches_alone(cu, [1000, 256, 300, 1], [True, False, True, False],
+                                       seed=510, checkpoint_every=256, gemm_exact=False,
+                                       out_tol=PACK_OUT_TOL, state_tol=PACK_STATE_TOL)
+    print(f"packed with checkpoints vs alone, rel: {diff}")
+
+
+def test_prefill_packed_many_sequences_share_walk_blocks(core_pair):
+    """More sequences than the walk has blocks a head slice (one wave): a block walks several
+    segments in turn, its copies running ahead across their ends."""
+    cu, _ = core_pair
+    rng = np.random.default_rng(530)
+    lengths = [int(x) for x in rng.integers(1, 65, 60)]
+    diff = assert_packed_matches_alone(cu, lengths, [bool(x) for x in rng.integers(0, 2, 60)],
+                                       seed=530, checkpoint_every=64, gemm_exact=False,
+                                       out_tol=PACK_OUT_TOL, state_tol=PACK_STATE_TOL)
+    print(f"60 packed sequences vs alone, rel: {diff}")
+
+
+def test_prefill_packed_in_windows(cuda, gpu_ckpts, core):
+    """A pack past the workspace runs in windows, a long sequence in pieces through its slot."""
+    with forced_core(core):
+        env = Env(cuda, gpu_ckpts["d128"], 256)
+    diff = assert_packed_matches_alone(env, [1, 63, 300, 65, 200], [False, True, True, False,
+                                                                    True], seed=520,
+                                       gemm_exact=False, out_tol=PACK_OUT_TOL,
+                                       state_tol=PACK_STATE_TOL)
+    print(f"packed in windows vs alone, rel: {diff}")
