@@ -19,6 +19,9 @@ import numpy as np
 from .errors import KdaError, check_int, format_bytes
 
 
+MIN_CC = 80  # the oldest compute capability kdarun builds for: bf16 mma.sync, cp.async
+
+
 class DevicePtr(int):
     """A device address in bytes. Offsets add whole bytes; `DevicePtr(0)` is the null pointer.
     An address is a non-negative integer: a negative one (an offset past the start) or a
@@ -200,8 +203,14 @@ class GpuBackend(abc.ABC):
         return 1
 
     @property
+    def compute_capability(self) -> int:
+        """10 major + minor of the device the kernels are built for; the host twins stand in
+        for the sm_90a build."""
+        return 90
+
+    @property
     def has_wgmma(self) -> bool:
-        """Whether the chunked walk's warpgroup MMAs run here (the host twin needs none)."""
+        """Whether the Hopper walk's warpgroup MMAs run here (the host twin needs none)."""
         return True
 
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:

@@ -362,6 +362,11 @@ class PrefillResult:
     fla_ms: float | None = None
     fla_core_ms: float | None = None
     kernels_ms: dict | None = None  # each non-GEMM step of one prefill, timed in the layer
+    # Where the layer runs the Hopper walk: both walks timed alone, in turn, on the operands
+    # the layer's intra kernel left; the portable core is the layer's intra step plus its walk
+    hopper_walk_ms: float | None = None
+    portable_walk_ms: float | None = None
+    portable_core_ms: float | None = None
 
 
 def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
@@ -372,10 +377,13 @@ def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
 def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                   gate: str = "bounded", fla: bool = False) -> list[PrefillResult]:
     """Prefill at each T: the layer, and the core, the GEMMs and each step inside it. With `fla`,
-    fla's layer and its chunk_kda on the same shapes take turns with the layer rep by rep."""
+    fla's layer and its chunk_kda on the same shapes take turns with the layer rep by rep.
+    Where the layer runs the Hopper walk, the portable walk is timed beside it."""
     cfg = synthetic.preset_config(preset, gate)
     fla_timers = _fla_prefill_timers(cfg) if fla else None
     layer, ws, state, h = random_layer(gpu, cfg, max(tokens), stream)
+    portable = (Glm5NextKdaKernels(gpu, cfg, core="portable")
+                if layer.kernels.core == "hopper" else None)
     out = []
     for t in tokens:
         reps = 30 if t <= 4096 else 10
@@ -387,8 +395,16 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         core = steps["chunk_intra"] + steps["chunk_inter"]
         gemm = sum(steps[step.name] for step in table if step.gemm)
         kernels = {step.name: steps[step.name] for step in table if not step.gemm}
-        out.append(PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
-                                 prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels))
+        r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
+                          prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels)
+        if portable is not None:
+            chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
+            r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
+                [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
+                    stream, *chunk, state.recurrent, ws.core, t), stream)
+                 for kn in (layer.kernels, portable)], reps, 3)
+            r.portable_core_ms = steps["chunk_intra"] + r.portable_walk_ms
+        out.append(r)
     _release(gpu, [layer], [state], ws, h)
     return out
 

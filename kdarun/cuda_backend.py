@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import cupy as cp
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, LaunchConfig, kernels_dir
+from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, kernels_dir
 from .errors import KdaError, check_int, format_bytes
 
 _H2D, _D2H, _D2D = 1, 2, 3
@@ -30,6 +30,10 @@ class CupyBackend(GpuBackend):
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         self._sm_count = int(props["multiProcessorCount"])
         self._cc = 10 * int(props["major"]) + int(props["minor"])
+        if self._cc < MIN_CC:
+            raise KdaError(f"{self._name} has compute capability {props['major']}.{props['minor']}"
+                           f"; kdarun's kernels need 8.0 or later (Ampere on: bf16 mma.sync, "
+                           f"cp.async)")
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
         self._functions: dict[tuple[str, str], tuple[Any, int]] = {}
@@ -45,8 +49,18 @@ class CupyBackend(GpuBackend):
         return self._sm_count
 
     @property
+    def compute_capability(self) -> int:
+        return self._cc
+
+    @property
     def has_wgmma(self) -> bool:
         return self._cc == 90
+
+    @property
+    def arch(self) -> str:
+        """The architecture the kernels are built for: the device's own, sm_90a on 9.0 (whose
+        warpgroup MMAs the Hopper walk runs on)."""
+        return "sm_90a" if self.has_wgmma else f"sm_{self._cc}"
 
     def stream_obj(self, stream: int):
         """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""
@@ -132,15 +146,13 @@ class CupyBackend(GpuBackend):
 
     # -- kernels ---------------------------------------------------------------------------
     def load_module(self, family: str, defines: Sequence[str]) -> Any:
-        """Compile `kernels_cu/<family>.cu` with `defines` for this device. On compute
-        capability 9.0 the build targets sm_90a, whose warpgroup MMAs the chunk walk runs on
-        (NVRTC keeps this first -arch over the sm_90 CuPy appends)."""
+        """Compile `kernels_cu/<family>.cu` with `defines` for this device's architecture
+        (`arch`: NVRTC keeps this first -arch over the one CuPy appends)."""
         src = kernels_dir() / f"{family}.cu"
         if not src.exists():
             raise KdaError(f"kernel family {family!r}: {src} not found")
-        arch = ("-arch=sm_90a",) if self.has_wgmma else ()
         raw = cp.RawModule(code=src.read_text(),
-                           options=(*arch, "-std=c++17", f"-I{kernels_dir()}", *defines))
+                           options=(f"-arch={self.arch}", "-std=c++17", f"-I{kernels_dir()}", *defines))
         raw.compile()
         return _Module(" ".join((family, *defines)), raw)
 

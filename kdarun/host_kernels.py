@@ -343,6 +343,7 @@ HOST_KERNELS: dict[str, dict] = {
                   **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
+    "chunk_portable": {f"kda_chunk_inter_portable_d{d}": _kda_chunk_inter(d) for d in (64, 128)},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
     "reduce": {"tp_accumulate": tp_accumulate, "tp_round": tp_round},
 }

@@ -8,6 +8,7 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -17,7 +18,21 @@ from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5Ne
 from .dtypes import BF16, F32
 from .errors import KdaError
 
-FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "norm", "reduce")
+FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm", "reduce")
+
+# The GPUs kdarun builds for, by compute capability (10 major + minor), with the most shared
+# memory one block may take (dynamic, opted in): the chunk kernels size their staging to it.
+# Another capability from 8.0 on builds with the smallest of these limits.
+SMEM_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024,
+                  90: 227 * 1024, 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024,
+                  121: 99 * 1024}
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120")  # CI builds each
+
+# The chunked core's two walks (`core_path`): "hopper" (kda_chunk_inter, warpgroup MMAs and bulk
+# copies: sm_90a only) and "portable" (kda_chunk_inter_portable, mma.sync and cp.async: every
+# supported GPU). KDARUN_CORE or the kernels' `core` argument forces one; "auto" takes the
+# Hopper walk where it runs.
+CORES = ("auto", "hopper", "portable")
 
 # The launch geometry: the wrappers below size their grids by these, and every build of
 # kernels_cu/ receives them as -DNAME=value (`compile_defines`), so each is written here alone.
@@ -40,15 +55,28 @@ DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
+PORTABLE_WALK_THREADS = 2 * WALK_ROWS  # kda_chunk_inter_portable's: a warp per 16 rows (MMA m)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 SEG_FIELDS = 8  # int32 fields of a segment table row (kernels_cu/segments.cuh)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
 
-def compile_defines() -> tuple[str, ...]:
-    """The -D flags every build of kernels_cu/ takes: the geometry above and the facts of
-    config.py the kernels share (chunk length, widest conv, most decode rows, L2 epsilon)."""
+def smem_per_block(cc: int) -> int:
+    """The most shared memory one block may take on compute capability `cc` (SMEM_PER_BLOCK;
+    the smallest listed for one not listed)."""
+    return SMEM_PER_BLOCK.get(cc, min(SMEM_PER_BLOCK.values()))
+
+
+def arch_cc(arch: str) -> int:
+    """The compute capability an architecture name builds for: "sm_90a" -> 90."""
+    return int(arch[3:].rstrip("a"))
+
+
+def compile_defines(cc: int = 90) -> tuple[str, ...]:
+    """The -D flags every build of kernels_cu/ for compute capability `cc` takes: the geometry
+    above, the block's shared-memory limit there, and the facts of config.py the kernels share
+    (chunk length, widest conv, most decode rows, L2 epsilon)."""
     values = {"CHUNK": CHUNK, "MAX_DECODE_ROWS": MAX_DECODE_ROWS,
               "MAX_CONV_KERNEL": MAX_CONV_KERNEL, "L2_NORM_EPS": f"{L2_NORM_EPS!r}f",
               "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
@@ -60,8 +88,26 @@ def compile_defines() -> tuple[str, ...]:
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
               "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
-              "SEG_FIELDS": SEG_FIELDS}
+              "PORTABLE_WALK_THREADS": PORTABLE_WALK_THREADS, "SEG_FIELDS": SEG_FIELDS,
+              "SMEM_PER_BLOCK": smem_per_block(cc)}
     return tuple(f"-D{name}={value}" for name, value in values.items())
+
+
+def core_path(gpu: GpuBackend, core: str | None = None) -> str:
+    """The walk the chunked core takes on `gpu`: `core`, else $KDARUN_CORE, else "auto"
+    ("hopper" where the device has warpgroup MMAs, "portable" elsewhere). Forcing "hopper"
+    where it cannot run is refused."""
+    want = core if core is not None else os.environ.get("KDARUN_CORE", "auto")
+    source = "core" if core is not None else "KDARUN_CORE"
+    if want not in CORES:
+        raise KdaError(f"{source}: expected one of {', '.join(CORES)}, got {want!r}")
+    if want == "auto":
+        return "hopper" if gpu.has_wgmma else "portable"
+    if want == "hopper" and not gpu.has_wgmma:
+        raise KdaError(f"{source}=hopper: the Hopper walk runs on warpgroup MMAs, which "
+                       f"{gpu.device_name} lacks (needs compute capability 9.0); use 'portable' "
+                       f"or 'auto'")
+    return want
 
 
 def _blocks(n: int, per: int = THREADS) -> int:
@@ -123,10 +169,13 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
 class Glm5NextKdaKernels:
     """Every kernel a KDA block launches, bound to one backend and config."""
 
-    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig):
+    def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, core: str | None = None):
+        """Builds every family for `gpu`; `core` picks the chunked core's walk (`core_path`)."""
         self.gpu = gpu
         self.cfg = cfg
-        self.modules = {fam: gpu.load_module(fam, compile_defines()) for fam in FAMILIES}
+        self.core = core_path(gpu, core)
+        defines = compile_defines(gpu.compute_capability)
+        self.modules = {fam: gpu.load_module(fam, defines) for fam in FAMILIES}
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:
@@ -371,26 +420,33 @@ class Glm5NextKdaKernels:
                      (q, k, v, gate, beta, qg, kd, gl, w, u, aqk, i32(t), i32(t_pad), i32(H),
                       f32(c.scale)), stream)
 
+    @property
+    def chunk_inter_name(self) -> str:
+        """The walk kernel `core` picked: kda_chunk_inter_d{D} (chunk.cu, the Hopper walk) or
+        kda_chunk_inter_portable_d{D} (chunk_portable.cu)."""
+        suffix = "_portable" if self.core == "portable" else ""
+        return f"kda_chunk_inter{suffix}_d{self.cfg.head_dim}"
+
     def kda_chunk_inter(self, stream: int, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
                         w: DevicePtr, u: DevicePtr, aqk: DevicePtr, state: DevicePtr,
                         core: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
-        [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state on warpgroup
-        MMAs (sm_90a). With `segs` each segment walks its chunks from state [slots, H, Dv, Dk]
-        at its slot (zero without initial state), writes the state back there and to its
+        [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one warpgroup on
+        warpgroup MMAs (the Hopper walk), or a warp per 16 rows on mma.sync (the portable walk),
+        as `self.core` says. With `segs` each segment walks its chunks from state [slots, H, Dv,
+        Dk] at its slot (zero without initial state), writes the state back there and to its
         checkpoints' slots, and its core rows at its packed rows."""
-        if not self.gpu.has_wgmma:
-            raise KdaError(f"kda_chunk_inter: the chunked walk runs on warpgroup MMAs, which "
-                           f"{self.gpu.device_name} lacks (needs compute capability 9.0)")
         c = self.cfg
         D, H = c.head_dim, c.num_heads
         table, n, _ = self._segments(t, segs)
         # segments share a block's walk in turn: as many blocks as one wave holds (a block an
         # SM), each a stream of chunks, where more would wait for a second wave
         z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
-        self._launch("chunk", f"kda_chunk_inter_d{D}",
-                     LaunchConfig((H, D // WALK_ROWS, z), (WALK_THREADS, 1, 1)),
+        family, threads = (("chunk_portable", PORTABLE_WALK_THREADS) if self.core == "portable"
+                           else ("chunk", WALK_THREADS))
+        self._launch(family, self.chunk_inter_name,
+                     LaunchConfig((H, D // WALK_ROWS, z), (threads, 1, 1)),
                      (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------

@@ -352,7 +352,7 @@ class Glm5NextKdaLayer:
                  tuple(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk")),
                  lambda s: kn.kda_chunk_intra(s, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta,
                                               *chunk, t_chunks)),
-            Step("chunk_inter", f"kda_chunk_inter_d{c.head_dim}", ("core", *state_writes[1]),
+            Step("chunk_inter", kn.chunk_inter_name, ("core", *state_writes[1]),
                  lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
                  lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,

@@ -4,8 +4,9 @@
 //     (I + diag(b) A) [u | w] = diag(b) [v | k exp(G)] by forward substitution, and precomputes
 //     everything elementwise the sequential walk needs: qg = q exp(G), kd = k exp(G_last - G),
 //     gl = exp(G_last). The walk then does no transcendental math at all.
-//   kda_chunk_inter_d{D}: per (head, 64-column slice of V) walks the chunks in order with its
-//     state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
+//   kda_chunk_inter_d{D}, the Hopper walk, built for sm_90a alone (kernels_cu/chunk_portable.cu
+//     has the walk every other GPU runs): per (head, 64-column slice of V) walks the chunks in
+//     order with its state slice in registers: W = u - w S; O = qg S + Aqk W; S = gl S + kd^T W. The
 //     products run on warpgroup MMAs in 3xBF16 from operands the intra kernel already wrote as
 //     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
 //     one bulk copy stages each and its inner loops convert nothing); the next operands land
@@ -14,6 +15,7 @@
 // padded tail can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
+#include "chunk.cuh"
 #include "sm90.cuh"
 #include "segments.cuh"
 
@@ -42,30 +44,12 @@ __device__ __forceinline__ float4 pick4(bool valid, float4 x) {
     return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// ---- tensor-core products from split bf16 words (3xBF16) ------------------------------------
-// The chunk kernels' products take their operands as pairs along the product's k axis: for
-// (x0, x1) the words hi = bf16(x0) | bf16(x1) << 16 and lo = the same of the remainders
-// x - hi, stored adjacent.
-// hi hi + hi lo + lo hi on m16n8k16 BF16 MMAs then keeps ~16 bits of every operand (error
-// ~1e-5, fp32-like for this core); the operands are split once, where they are produced, so
-// no inner loop converts anything.
-__device__ __forceinline__ uint2 split_pair(float x0, float x1) {
-    const unsigned hi = pack_bf16x2(x0, x1);
-    return make_uint2(hi, pack_bf16x2(x0 - __uint_as_float(hi << 16),
-                                      x1 - __uint_as_float(hi & 0xffff0000u)));
-}
-
-// A and B fragments of one 16x8x16 step, as hi and lo words.
-struct Frag {
-    unsigned hi[4], lo[4];
-};
-
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
-// axis, ld words a row, rows 16 bytes past a multiple of 128 so that the rows of each 8 x 8
+// axis, ld words a row, rows an odd multiple of 16 bytes apart so that the rows of each 8 x 8
 // tile hit distinct banks. `frag_a` reads A[m][k] from rows m, `frag_bt` B[k][n] from rows n,
 // by ldmatrix: the registers arrive in the order the MMA takes them (rows of (hi, lo) word
 // pairs took register moves to get there, ~2.5 an MMA).
-__host__ __device__ constexpr int plane_ld(int words) {  // words a row: a multiple of 32, + 16 bytes
+__host__ __device__ constexpr int plane_ld(int words) {  // words: a multiple of 8; + 16 bytes
     return words + 4;
 }
 
@@ -86,40 +70,6 @@ __device__ __forceinline__ Frag frag_bt(const unsigned* hi, const unsigned* lo, 
     return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
-// big + small += a b: the hi x hi products and the two correction terms accumulate apart
-// (shorter chains of dependent MMAs); the caller adds small into big at the end.
-__device__ __forceinline__ void mma3(float big[4], float small[4], const Frag& a, const Frag& b) {
-    mma_bf16(small, a.lo, b.hi);
-    mma_bf16(big, a.hi, b.hi);
-    mma_bf16(small, a.hi, b.lo);
-}
-
-// The operands the walk takes as B (qg, kd^T, Aqk; w below) are written as the image of the
-// shared memory its warpgroup MMAs read, so that one bulk copy stages a (chunk, head) block: N
-// rows of the product's n axis by K of its k axis in split words, a hi plane then a lo plane
-// of N K / 2 words; in a plane, k-pair p of row n is word img_word(N, n, p). That is wgmma's
-// K-major layout without swizzle: core matrices of 8 rows x 16 bytes (4 k-pairs), adjacent
-// along n, the next 4 k-pairs 16 N bytes on. u is written in slices of the walk's WALK_ROWS
-// columns, [C, WALK_ROWS] each, for the same reason.
-__host__ __device__ constexpr int img_word(int N, int n, int p) {
-    return 4 * N * (p >> 2) + 4 * n + (p & 3);
-}
-// Where u[t][v] sits in its slice: a walk thread reads tokens t, t + 2, t + 4, t + 6 in one load
-// (lanes four apart), which share banks in [C][WALK_ROWS] rows; v's octet is XORed with t's pair
-// index, so the four take distinct banks. The intra kernel's stores of a row stay 256 bytes.
-__host__ __device__ constexpr int u_word(int t, int v) {
-    return WALK_ROWS * t + (v ^ (8 * ((t >> 1) & 3)));
-}
-// w is the one operand whose image is MN-major: the solve produces it a column (dimension) at a
-// time, and 8 tokens of one are a 16-byte row of a core matrix (8 dimensions x 8 tokens), so a
-// thread stores 16 bytes a plane for 8 rows and a warp whole lines. Token octets are adjacent,
-// dimension octets 4 C words apart; w_word is the word holding tokens t, t ^ 1 of dimension d
-// in the hi plane, the lo plane C D / 2 words on.
-__host__ __device__ constexpr int w_word(int d, int t) {
-    return 4 * CHUNK * (d >> 3) + 32 * (t >> 3) + 4 * (d & 7) + ((t & 7) >> 1);
-}
-#define W_LBO (CHUNK * 16)  // bytes between dimension (k) octets
-#define W_SBO 128        // bytes between token (n) octets
 // Where the intra kernel parks k exp(G)[t][d] in a w block until the solve overwrites it: the
 // words w's rows of t's 16-row solve block take in its image (64-word runs: two token octets
 // in each dimension octet of a plane), row t's dimensions 64 to a run, so that the parking and
@@ -135,17 +85,28 @@ __host__ __device__ constexpr int park_word(int t, int d) {
 // block it factors as exp(G_t - G_r) exp(G_r - G_s), so a block row of A and Aqk is a product
 // of scaled rows on tensor cores (see the loop over r for when the diagonal block may use it).
 // Dimensions are staged 64 at a time, which keeps a block at ~111 KB of shared memory so two
-// blocks share an SM and one's loads overlap the other's arithmetic.
-struct Intra {
-    static constexpr int DH = 64;        // dimensions staged at a time
+// blocks share an SM (227 KB) and one's loads overlap the other's arithmetic; where a block may
+// take less (99 KB: sm_86, sm_89, sm_120), 32 at a time (94 KB at D = 128).
+template <int D, int DH_>
+struct IntraLayout {
+    static constexpr int DH = DH_;       // dimensions staged at a time
     static constexpr int P = DH + 2;     // G, k, q rows: the pairwise walk hits bank 2s + parity
     static constexpr int PE = plane_ld(DH / 2);  // scaled rows: the hi and lo planes' rows
     static constexpr int SB = 16;        // the factorisation's block of rows
     static constexpr int EROWS = CHUNK + 2 * SB;  // scaled rows: k_s (s <= r + 15), then k_t, q_t
     static constexpr int G_OFF = 0, K_OFF = CHUNK * P, Q_OFF = 2 * CHUNK * P, E_OFF = 3 * CHUNK * P;
-    static constexpr int A_OFF = E_OFF + 2 * EROWS * PE, M_OFF = A_OFF + CHUNK * AP;
-    static constexpr int B_OFF = M_OFF + CHUNK * AP, FLOATS = B_OFF + CHUNK;
+    // the solve's X planes (rows of the 2 D columns, the XK tokens its products read) and A's
+    // diagonal blocks take the place of G, k, q and the scaled rows
+    static constexpr int XK = CHUNK - SB, LX = plane_ld(XK / 2), DG = SB;
+    static constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
+    static constexpr int SOLVE_END = DG_OFF + (CHUNK / SB) * SB * DG;
+    static constexpr int ROWS_END = E_OFF + 2 * EROWS * PE;
+    static constexpr int A_OFF = ROWS_END > SOLVE_END ? ROWS_END : SOLVE_END;
+    static constexpr int M_OFF = A_OFF + CHUNK * AP, B_OFF = M_OFF + CHUNK * AP;
+    static constexpr int FLOATS = B_OFF + CHUNK;
 };
+template <int D>
+using Intra = IntraLayout<D, IntraLayout<D, 64>::FLOATS * 4 <= SMEM_PER_BLOCK ? 64 : 32>;
 
 template <int D>
 __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict__ k,
@@ -154,7 +115,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
                             unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             unsigned* __restrict__ aqk, int T, int H, float scale) {
-    using L = Intra;
+    using L = Intra<D>;
     constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB;
     extern __shared__ __align__(16) float sm[];
     float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
@@ -216,8 +177,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         // walk's image), and k exp(G), the solve's right-hand side, parked in w_out (park_word).
         // The qg and kd^T loops give a warp 8 rows x 4 pairs at a time, one core matrix of the
         // image: each of its stores is 128 contiguous bytes of a plane.
-        static_assert(DH == 64 && THREADS % DH == 0, "a lane's two dimensions of a 64-wide row");
-        const int c2 = 2 * lane;  // the scaled rows' two dimensions
+        static_assert(64 % DH == 0 && THREADS % DH == 0, "whole rows a warp, two dimensions a lane");
+        constexpr int RPW = 64 / DH;  // the scaled rows' rows a warp builds at a time
+        const int c2 = 2 * (lane % (DH / 2)), rw = lane / (DH / 2);  // a lane's dimensions, row
         if (tid < DH) gl_out[((u64)ci * H + h) * D + d0 + tid] = expf(Gs[(CHUNK - 1) * P + tid]);
         for (int it = warp; it < (CHUNK / 8) * (DH / 8); it += THREADS / 32) {
             const int r = 8 * (it / (DH / 8)) + (lane >> 2), pl = 4 * (it % (DH / 8)) + (lane & 3);
@@ -260,18 +222,20 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * P + c2);
             // two loops, each with its sign and source fixed (no select, sign multiply or
             // modulo an element): these rows are rebuilt for every block row
-            for (int s = warp; s < ncols; s += THREADS / 32) {  // k_s exp(G_r - G_s)
+            // k_s exp(G_r - G_s)
+            for (int s = RPW * warp + rw; s < ncols; s += RPW * THREADS / 32) {
                 const float2 x = *reinterpret_cast<const float2*>(Ks + s * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + s * P + c2);
                 const uint2 y = split_pair(x.x * __expf(Gr.x - G.x), x.y * __expf(Gr.y - G.y));
-                Eh[s * PE + lane] = y.x, El[s * PE + lane] = y.y;
+                Eh[s * PE + c2 / 2] = y.x, El[s * PE + c2 / 2] = y.y;
             }
-            for (int i = warp; i < 2 * SB; i += THREADS / 32) {  // k_t, then q_t, exp(G_t - G_r)
+            // k_t, then q_t, exp(G_t - G_r)
+            for (int i = RPW * warp + rw; i < 2 * SB; i += RPW * THREADS / 32) {
                 const int t = r + (i < SB ? i : i - SB);
                 const float2 x = *reinterpret_cast<const float2*>((i < SB ? Ks : Qs) + t * P + c2);
                 const float2 G = *reinterpret_cast<const float2*>(Gs + t * P + c2);
                 const uint2 y = split_pair(x.x * __expf(G.x - Gr.x), x.y * __expf(G.y - Gr.y));
-                Eh[(CHUNK + i) * PE + lane] = y.x, El[(CHUNK + i) * PE + lane] = y.y;
+                Eh[(CHUNK + i) * PE + c2 / 2] = y.x, El[(CHUNK + i) * PE + c2 / 2] = y.y;
             }
             __syncthreads();  // the scaled rows are in place
             PHASE(2);
@@ -348,20 +312,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     // written as fp32 and w as split words in the walk's image (w_word), over the right-hand
     // side k exp(G) parked in the words of the same 16-row block (park_word), read before any
     // of them is written.
-    constexpr int LX = plane_ld(CHUNK / 2);  // X's and A's plane rows: words of token pairs
-    constexpr int XK = CHUNK - SB;          // rows the products read: all but the last block's
+    constexpr int LX = L::LX;  // X's and A's plane rows: words of token pairs
+    constexpr int XK = L::XK;  // rows the products read: all but the last block's
     constexpr int LC = 2 * D + 4;        // C rows
-    constexpr int DG = SB;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
-                            // same-address reads of a row go four at a time
-    constexpr int X_OFF = 0, DG_OFF = X_OFF + 2 * 2 * D * LX;
-    static_assert(DG_OFF + (CHUNK / SB) * SB * DG <= L::A_OFF,
-                  "X and the diagonal blocks fit below A");
+    constexpr int DG = L::DG;  // diagonal blocks' rows (fp32): 16-byte aligned, so the solve's
+                               // same-address reads of a row go four at a time
     static_assert(2 * XK * LX <= L::B_OFF - L::M_OFF && SB * LC <= L::M_OFF - L::A_OFF,
                   "A's rows in planes fit where Aqk was, C where A was");
     static_assert(2 * D <= THREADS, "one solve column a thread");
-    unsigned* Xh = reinterpret_cast<unsigned*>(sm + X_OFF);  // [2][2D][LX]: X^T, pairs along t
+    unsigned* Xh = reinterpret_cast<unsigned*>(sm + L::X_OFF);  // [2][2D][LX]: X^T, pairs along t
     unsigned* Xl = Xh + 2 * D * LX;
-    float* Dg = sm + DG_OFF;                                  // [C/SB][SB][DG]: A's diagonal blocks
+    float* Dg = sm + L::DG_OFF;                               // [C/SB][SB][DG]: A's diagonal blocks
     unsigned* Ah = reinterpret_cast<unsigned*>(Ms);  // [2][XK][LX]: A rows SB.., pairs along s
     unsigned* Al = Ah + XK * LX;
     float* Cs = A;                                            // [SB][LC]
@@ -455,6 +416,9 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     }
 }
 
+// The Hopper walk's device code exists only where its warpgroup MMAs do (sm_90a builds); nvcc's
+// host pass (no __CUDA_ARCH__) keeps its entries, whose launch stubs it writes for every build.
+#if !defined(__CUDA_ARCH__) || KDA_WGMMA
 // ---- walk: the chunks in order, one (head, 64-column slice of V) and share of segments a block --
 // Each segment (segments.cuh) walks its own chunks from its pool slot's state (or zero), writes
 // its core rows at its packed rows, its final state back to its slot and, where asked, the
@@ -497,19 +461,11 @@ template <int N>
 __device__ __forceinline__ u64 operand_desc(const unsigned char* p) {
     return wgmma_desc(p, N * 16, 128);
 }
+#define W_LBO (CHUNK * 16)  // bytes between dimension (k) octets
+#define W_SBO 128        // bytes between token (n) octets
 // w's (w_word's layout, MN-major): core matrices of 8 dimensions x 8 tokens
 __device__ __forceinline__ u64 w_desc(const unsigned char* p) {
     return wgmma_desc(p, W_LBO, W_SBO);
-}
-
-// The A fragment (hi, lo words) of k-columns 16 i.. from the C fragments of columns 16 i..
-// (x) and 16 i + 8.. (y).
-__device__ __forceinline__ void frag_of(const float* x, const float* y, unsigned (&hi)[4],
-                                        unsigned (&lo)[4]) {
-    const uint2 p0 = split_pair(x[0], x[1]), p1 = split_pair(x[2], x[3]);
-    const uint2 p2 = split_pair(y[0], y[1]), p3 = split_pair(y[2], y[3]);
-    hi[0] = p0.x, hi[1] = p1.x, hi[2] = p2.x, hi[3] = p3.x;
-    lo[0] = p0.y, lo[1] = p1.y, lo[2] = p2.y, lo[3] = p3.y;
 }
 
 // d += A B over K in 3xBF16: A's fragments in registers, B a staged operand of N rows (hi plane
@@ -709,6 +665,8 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     }
 }
 
+#endif  // the Hopper walk
+
 // The intra kernel's T_pad is not read (the grid carries the chunk count); it keeps the launch's
 // arguments those of the host twin, which loops over it. Each kernel's dynamic shared memory is
 // exported as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout
@@ -721,7 +679,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
     }                                                                                          \
     extern "C" {                                                                               \
-    __constant__ int kda_chunk_intra_d##D##_smem = Intra::FLOATS * 4;                          \
+    __constant__ int kda_chunk_intra_d##D##_smem = Intra<D>::FLOATS * 4;                       \
     }
 #define KDA_CHUNK_INTER(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)   kda_chunk_inter_d##D(     \
@@ -735,5 +693,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)
+#if !defined(__CUDA_ARCH__) || KDA_WGMMA
 KDA_CHUNK_INTER(64)
 KDA_CHUNK_INTER(128)
+#endif

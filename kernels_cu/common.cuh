@@ -4,7 +4,8 @@
 
 // The launch geometry (CHUNK, THREADS, GEMV_TILE, ...) is kdarun's, given to every build as
 // -DNAME=value by kdarun.kernels.compile_defines(), so each value is written in one place.
-#if !defined(CHUNK) || !defined(THREADS) || !defined(GEMV_TILE) || !defined(L2_NORM_EPS)
+#if !defined(CHUNK) || !defined(THREADS) || !defined(GEMV_TILE) || !defined(L2_NORM_EPS) || \
+    !defined(SMEM_PER_BLOCK)
 #error "build kernels_cu/ with the flags of kdarun.kernels.compile_defines() (python3 -m kdarun.kernels)"
 #endif
 

@@ -220,7 +220,8 @@ __device__ __forceinline__ void front_end(
 // swizzled as gemv_tile's), so x crosses from L2 once a block and reaches the MMAs by
 // ldmatrix, where gemv_tile's warps each loaded every x word of every group from L2
 // themselves (latency-bound: docs/perf-log.md, v18). The weights come from DRAM and need
-// more bytes in flight than x from L2: the weights' ring is GEMV_SLAB_W_BYTES deep, x's
+// more bytes in flight than x from L2: the weights' ring is GEMV_SLAB_W_BYTES deep (less where
+// a block's shared memory cannot hold that beside x's: SMEM_PER_BLOCK), x's
 // GEMV_SLAB_X_STAGES; the first half of the warps copies weights and the second x, so each
 // half waits on its own commit groups. A warp walks the whole K: share 0's stages (0, ks,
 // 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
@@ -229,13 +230,17 @@ __device__ __forceinline__ void front_end(
 constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
 constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
 static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
+constexpr int SLAB_X_BYTES = GEMV_SLAB_X_STAGES * SLAB_ROWS * SLAB_RUNS * 16;
+constexpr int SLAB_W_BYTES = GEMV_SLAB_W_BYTES < SMEM_PER_BLOCK - SLAB_X_BYTES
+                                 ? GEMV_SLAB_W_BYTES : SMEM_PER_BLOCK - SLAB_X_BYTES;
 template <int TB>
 __host__ __device__ constexpr int slab_w_stages() {
-    return GEMV_SLAB_W_BYTES / (TB * GEMV_TILE * SLAB_RUNS * 16);
+    return SLAB_W_BYTES / (TB * GEMV_TILE * SLAB_RUNS * 16);
 }
 template <int TB>
 __host__ __device__ constexpr int slab_smem() {
-    return (slab_w_stages<TB>() * TB * GEMV_TILE + GEMV_SLAB_X_STAGES * SLAB_ROWS) * SLAB_RUNS * 16;
+    static_assert(slab_w_stages<TB>() >= 2, "weights in flight while a stage is read");
+    return slab_w_stages<TB>() * TB * GEMV_TILE * SLAB_RUNS * 16 + SLAB_X_BYTES;
 }
 
 // W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then

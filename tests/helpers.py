@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import numpy as np
 
 from kdarun import KdaSeqState, prefill_windowed, reference
@@ -19,6 +22,21 @@ STATE_TOL = 8e-3  # measured <= 4.0e-3
 # Stage-local: each stage fed the buffers the previous kernel actually wrote.
 BF16_OUT_TOL = 3e-3  # one bf16 rounding of the output: measured <= 1.8e-3
 FP32_TOL = 1e-4  # fp32 arithmetic only
+
+
+@contextmanager
+def forced_core(core: str):
+    """Layers bound inside take the chunked core's `core` walk, by KDARUN_CORE (the documented
+    switch), which is restored after."""
+    before = os.environ.get("KDARUN_CORE")
+    os.environ["KDARUN_CORE"] = core
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KDARUN_CORE"]
+        else:
+            os.environ["KDARUN_CORE"] = before
 
 
 class Env:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kdarun import kernels, open_backend, synthetic
-from kdarun import DevicePtr, KdaError
+from kdarun import KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
 
@@ -51,11 +51,30 @@ def test_walk_covers_every_state_row():
         assert d % kernels.WALK_ROWS == 0, d
 
 
-def test_walk_refuses_a_device_without_warpgroup_mmas():
-    class NoWgmma(type(open_backend("host", announce=False))):
+def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
+    """auto takes the Hopper walk where warpgroup MMAs exist and the portable one elsewhere;
+    KDARUN_CORE or the core argument forces either, the argument first; forcing the Hopper walk
+    where it cannot run, and an unknown name, are refused."""
+    host = open_backend("host", announce=False)
+
+    class NoWgmma(type(host)):
         has_wgmma = False
 
-    kn = Glm5NextKdaKernels(NoWgmma(), synthetic.preset_config("tiny"))
-    with pytest.raises(KdaError, match=r"warpgroup MMAs, which .* lacks \(needs compute "
-                                       r"capability 9\.0\)"):
-        kn.kda_chunk_inter(0, *[DevicePtr(64)] * 8, 64)
+    cfg = synthetic.preset_config("tiny")
+    monkeypatch.delenv("KDARUN_CORE", raising=False)
+    assert Glm5NextKdaKernels(host, cfg).core == "hopper"
+    kn = Glm5NextKdaKernels(NoWgmma(), cfg)
+    assert kn.core == "portable" and kn.chunk_inter_name == "kda_chunk_inter_portable_d64"
+    monkeypatch.setenv("KDARUN_CORE", "portable")
+    assert Glm5NextKdaKernels(host, cfg).chunk_inter_name == "kda_chunk_inter_portable_d64"
+    assert Glm5NextKdaKernels(host, cfg, core="hopper").chunk_inter_name == "kda_chunk_inter_d64"
+    monkeypatch.setenv("KDARUN_CORE", "hopper")
+    with pytest.raises(KdaError, match=r"KDARUN_CORE=hopper: the Hopper walk runs on warpgroup "
+                                       r"MMAs, which .* lacks \(needs compute capability 9\.0\)"):
+        Glm5NextKdaKernels(NoWgmma(), cfg)
+    monkeypatch.setenv("KDARUN_CORE", "wgmma")
+    with pytest.raises(KdaError, match=r"KDARUN_CORE: expected one of auto, hopper, portable, "
+                                       r"got 'wgmma'"):
+        Glm5NextKdaKernels(host, cfg)
+    with pytest.raises(KdaError, match=r"^core: expected one of"):
+        Glm5NextKdaKernels(host, cfg, core="fast")

@@ -4,9 +4,8 @@ decode and verify, and prefill benchmarks (with fla alongside where importable) 
 summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
-        [--only decode|batch|varlen|prefill] [--preset NAME] [--batch 1,8,64]
-        [--mix 1x4096,32x128]
-        [--tokens 1024,4096] [--no-fla]
+        [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
+        [--tokens 1024,4096] [--presets glm-5.3-flash,kimi-linear-48b] [--no-fla]
         [--pytest-args "-k prefill"]
 
 Installs nothing. The benchmarks run only if the tests pass. Full results go to
@@ -48,13 +47,13 @@ def main() -> int:
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments")
     ap.add_argument("--only", choices=("decode", "batch", "varlen", "prefill"),
                     help="one benchmark mode")
-    ap.add_argument("--preset", choices=("kimi-linear-48b", "glm-5.3-flash"),
-                    help="one preset (default: both, or kimi-linear-48b with --quick)")
     ap.add_argument("--mix", default="1x4096,8x512,32x128,128x32",
                     help="packed prefills (kimi-linear-48b), sequences x tokens, comma-separated")
     ap.add_argument("--batch", default="1,8,32,64,128,256",
                     help="sequences a call of batched decode, comma-separated")
     ap.add_argument("--tokens", help="prefill lengths, comma-separated")
+    ap.add_argument("--presets", help="presets in the order to run them, comma-separated "
+                    "(default kimi-linear-48b,glm-5.3-flash; --quick: kimi-linear-48b)")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
     args = ap.parse_args()
 
@@ -74,8 +73,9 @@ def main() -> int:
         report["ceilings"] = vars(ceil)
         use_fla = not args.no_fla and bench.fla_available()
         report["fla"] = use_fla
-        presets = ([args.preset] if args.preset else ["kimi-linear-48b"] if args.quick
-                   else ["kimi-linear-48b", "glm-5.3-flash"])
+        presets = ["kimi-linear-48b"] if args.quick else ["kimi-linear-48b", "glm-5.3-flash"]
+        if args.presets:
+            presets = args.presets.split(",")
         tokens = [64, 1024, 4096] if args.quick else [64, 1024, 4096, 16384]
         if args.tokens:
             tokens = [int(x) for x in args.tokens.split(",")]
@@ -134,6 +134,15 @@ def main() -> int:
                              f"{r.ms:.3f} ms, core {r.core_ms:.3f} ms, GEMMs {r.gemm_ms:.3f} ms"
                              f"{vs}"))
                 print(rows[-1], flush=True)
+                if r.portable_core_ms:  # both walks alone, each after the layer's intra step
+                    hopper_core = r.kernels_ms["chunk_intra"] + r.hopper_walk_ms
+                    vs = f", fla chunk_kda {f_core / r.portable_core_ms:.2f}x" if f_ms else ""
+                    rows.append((f"prefill {preset}", f"T={r.tokens} portable",
+                                 f"core {r.portable_core_ms:.3f} ms = "
+                                 f"{r.portable_core_ms / hopper_core:.2f}x the Hopper core "
+                                 f"{hopper_core:.3f} ms (walks {r.portable_walk_ms:.3f} / "
+                                 f"{r.hopper_walk_ms:.3f} ms){vs}"))
+                    print(rows[-1], flush=True)
                 print("  each step in the layer, ms: " + ", ".join(
                     f"{n} {v:.3f}" for n, v in r.kernels_ms.items()), flush=True)
     if os.environ.get("OUT"):

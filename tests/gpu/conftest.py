@@ -8,7 +8,7 @@ import pytest
 from kdarun import Glm5NextKdaConfig, open_backend, synthetic
 from kdarun.backends import cuda_available
 
-from ..helpers import Env
+from ..helpers import Env, forced_core
 
 
 def pytest_collection_modifyitems(items):
@@ -47,3 +47,21 @@ def pair(request, cuda, host, gpu_ckpts):
     """(cuda Env, host Env) on the same checkpoint, layer 1, max_tokens 4096."""
     path = gpu_ckpts[request.param]
     return Env(cuda, path, 4096), Env(host, path, 4096)
+
+
+@pytest.fixture(scope="session", params=["hopper", "portable"])
+def core(request, cuda) -> str:
+    """Each walk of the chunked core this device runs: the prefill tests run on both."""
+    if request.param == "hopper" and not cuda.has_wgmma:
+        pytest.skip(f"{cuda.device_name} has no warpgroup MMAs: the Hopper walk cannot run")
+    return request.param
+
+
+@pytest.fixture(scope="session", params=["softplus", "bounded", "d128"])
+def core_pair(request, core, cuda, host, gpu_ckpts):
+    """`pair`, its CUDA layer on the `core` walk."""
+    path = gpu_ckpts[request.param]
+    with forced_core(core):
+        cu = Env(cuda, path, 4096)
+    assert cu.layer.kernels.core == core
+    return cu, Env(host, path, 4096)

@@ -1,5 +1,7 @@
-"""CUDA chunked prefill: outputs, every stage and the final state against the host backend
-and the float64 reference; poisoned pad; continuity with decode; windows; extreme gates."""
+"""CUDA chunked prefill, on each walk of the chunked core (the Hopper and the portable one):
+outputs, every stage and the final state against the host backend and the float64 reference;
+poisoned pad; continuity with decode; windows; extreme gates; the two walks against each
+other."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
 from kdarun.dtypes import BF16
+from kdarun.kernels import SMEM_PER_BLOCK, compile_defines
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 
 from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, assert_windowed_matches_one,
-                       bits, rel)
+                       bits, forced_core, rel)
 
 STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
           "k_f32", "v_f32", "core", "o_norm_out", "final_out")
@@ -22,8 +25,8 @@ VALID_ROWS = ("gate", "beta", "q_f32", "k_f32", "v_f32", "core")
 
 @pytest.mark.parametrize("warm", [False, True], ids=["zero-state", "warm-state"])
 @pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 1000, 4096])
-def test_prefill_vs_reference_and_host(pair, T, warm):
-    cu, ho = pair
+def test_prefill_vs_reference_and_host(core_pair, T, warm):
+    cu, ho = core_pair
     R, C = ho.warm_state(seed=500 + T) if warm else (None, None)
     h = random_hidden(T, cu.cfg.hidden_size, seed=T)
     s_cu, s_ho = cu.state(R, C), ho.state(R, C)
@@ -43,10 +46,10 @@ def test_prefill_vs_reference_and_host(pair, T, warm):
     assert np.array_equal(bits(Cs), bits(s_ho.download()[1])) or rel(Cs, ref.conv_state) < BF16_OUT_TOL
 
 
-def test_chunk_core_stage_local(pair):
+def test_chunk_core_stage_local(core_pair):
     """The CUDA chunk core against the float64 recurrence fed the buffers it read."""
     from kdarun import reference
-    cu, ho = pair
+    cu, ho = core_pair
     cfg, T = cu.cfg, 1000
     R, C = ho.warm_state(seed=600)
     st = cu.state(R, C)
@@ -61,8 +64,8 @@ def test_chunk_core_stage_local(pair):
 
 @pytest.mark.parametrize("fill", [np.nan, 1e30])
 @pytest.mark.parametrize("T", [1, 65, 1000])
-def test_poisoned_pad_bit_identical(pair, T, fill):
-    cu, _ = pair
+def test_poisoned_pad_bit_identical(core_pair, T, fill):
+    cu, _ = core_pair
     R, C = cu.warm_state(seed=700)
     h = random_hidden(T, cu.cfg.hidden_size, seed=701)
     a, b = cu.state(R, C), cu.state(R, C)
@@ -76,8 +79,8 @@ def test_poisoned_pad_bit_identical(pair, T, fill):
 
 
 @pytest.mark.parametrize("T", [64, 1000])
-def test_prefill_then_decode_equals_longer_prefill(pair, T):
-    cu, _ = pair
+def test_prefill_then_decode_equals_longer_prefill(core_pair, T):
+    cu, _ = core_pair
     R, C = cu.warm_state(seed=800)
     h = random_hidden(T + 1, cu.cfg.hidden_size, seed=801)
     a, b = cu.state(R, C), cu.state(R, C)
@@ -90,10 +93,10 @@ def test_prefill_then_decode_equals_longer_prefill(pair, T):
     assert rel(a.download()[0], b.download()[0]) < BF16_OUT_TOL
 
 
-def test_prefill_on_a_created_stream_equals_default_stream(pair):
+def test_prefill_on_a_created_stream_equals_default_stream(core_pair):
     """Every launch and library call must follow the caller's stream: a prefill enqueued on a
     non-blocking stream, read back through that stream, equals the default-stream run."""
-    cu, _ = pair
+    cu, _ = core_pair
     gpu = cu.gpu
     R, C = cu.warm_state(seed=1100)
     h = random_hidden(1000, cu.cfg.hidden_size, seed=1101)
@@ -111,10 +114,10 @@ def test_prefill_on_a_created_stream_equals_default_stream(pair):
     gpu.destroy_stream(stream)
 
 
-def test_windowed_prefill_equals_one_prefill(cuda, gpu_ckpts):
-    assert_windowed_matches_one(Env(cuda, gpu_ckpts["bounded"], 256),
-                                Env(cuda, gpu_ckpts["bounded"], 2048), 1500, 900, BF16_OUT_TOL,
-                                BF16_OUT_TOL)
+def test_windowed_prefill_equals_one_prefill(cuda, gpu_ckpts, core):
+    with forced_core(core):
+        small, large = Env(cuda, gpu_ckpts["bounded"], 256), Env(cuda, gpu_ckpts["bounded"], 2048)
+    assert_windowed_matches_one(small, large, 1500, 900, BF16_OUT_TOL, BF16_OUT_TOL)
 
 
 def _extreme_ckpt(tmp_path, gate, lower_bound, a_log):
@@ -134,8 +137,9 @@ def _extreme_ckpt(tmp_path, gate, lower_bound, a_log):
     ("bounded", -5.0, None), ("bounded", -0.01, None), ("bounded", -5.0, np.log(1e3)),
     ("softplus", -5.0, np.log(1e3)), ("softplus", -5.0, np.log(1e-3)),
 ])
-def test_extreme_gates_long_sequence(cuda, tmp_path, gate, lower_bound, a_log):
-    env = Env(cuda, _extreme_ckpt(tmp_path, gate, lower_bound, a_log), 4096)
+def test_extreme_gates_long_sequence(cuda, tmp_path, core, gate, lower_bound, a_log):
+    with forced_core(core):
+        env = Env(cuda, _extreme_ckpt(tmp_path, gate, lower_bound, a_log), 4096)
     h = random_hidden(4096, env.cfg.hidden_size, seed=1000)
     st = env.state()
     out = env.prefill(h, st)
@@ -144,3 +148,59 @@ def test_extreme_gates_long_sequence(cuda, tmp_path, gate, lower_bound, a_log):
     ref = env.ref(h)
     assert rel(out, ref.stages["final_out"]) < E2E_TOL
     assert rel(st.download()[0], ref.recurrent_state) < STATE_TOL
+
+
+@pytest.mark.parametrize("T", [65, 1000, 4096])
+def test_portable_walk_agrees_with_the_hopper_walk(cuda, gpu_ckpts, T):
+    """Both walks from one warm state on the same layer: core and state within the chunked
+    core's fp32 tolerance of each other (they differ in summation order alone)."""
+    if not cuda.has_wgmma:
+        pytest.skip(f"{cuda.device_name} has no warpgroup MMAs: the Hopper walk cannot run")
+    for name in ("softplus", "d128"):
+        envs = {}
+        for core in ("hopper", "portable"):
+            with forced_core(core):
+                envs[core] = Env(cuda, gpu_ckpts[name], 4096)
+        R, C = envs["hopper"].warm_state(seed=1200)
+        h = random_hidden(T, envs["hopper"].cfg.hidden_size, seed=1201)
+        got = {}
+        for core, env in envs.items():
+            st = env.state(R, C)
+            env.prefill(h, st)
+            got[core] = env.ws.read("core", T)[:T], st.download()[0]
+        assert rel(got["portable"][0], got["hopper"][0]) < FP32_TOL, name
+        assert rel(got["portable"][1], got["hopper"][1]) < FP32_TOL, name
+
+
+@pytest.mark.parametrize("name", ["softplus", "d128"])
+def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
+    """The chunk kernels as built for the GPUs whose block may take the least shared memory
+    (99 KB: the intra kernel staging 32 dimensions at a time, the portable walk's shortest
+    ring), run here: within the chunked core's tolerance of this GPU's own build and of the
+    float64 recurrence fed the same buffers."""
+    from kdarun import reference
+    with forced_core("portable"):
+        env = Env(cuda, gpu_ckpts[name], 4096)
+    cfg, T = env.cfg, 1000
+    H, D = cfg.num_heads, cfg.head_dim
+    R, C = env.warm_state(seed=1300)
+    h = random_hidden(T, cfg.hidden_size, seed=1301)
+    runs = []
+    for cc in (cuda.compute_capability, min(SMEM_PER_BLOCK, key=SMEM_PER_BLOCK.get)):
+        kn = env.layer.kernels
+        kn.modules.update({fam: cuda.load_module(fam, compile_defines(cc))
+                           for fam in ("chunk", "chunk_portable")})
+        assert max(cuda.shared_bytes(kn.modules[fam], f"{kernel}_d{D}") for fam, kernel in (
+            ("chunk", "kda_chunk_intra"), ("chunk_portable", "kda_chunk_inter_portable"))
+        ) <= SMEM_PER_BLOCK[cc]
+        st = env.state(R, C)
+        env.prefill(h, st)
+        runs.append((env.ws.read("core", T)[:T].copy(), st.download()[0]))
+    (core_own, S_own), (core_small, S_small) = runs
+    assert rel(core_small, core_own) < FP32_TOL
+    assert rel(S_small, S_own) < FP32_TOL
+    rd = lambda n: env.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
+    qkv = [rd(n).reshape(T, H, D) for n in ("q_f32", "k_f32", "v_f32")]
+    core, S = reference.core_recurrent(cfg, *qkv, rd("gate"), rd("beta"), R)
+    assert rel(core_small, core) < FP32_TOL
+    assert rel(S_small, S) < FP32_TOL

@@ -1,6 +1,7 @@
 """Serving on CUDA: batched decode and batched verify bit-identical, sequence by sequence, to
 the single-sequence calls; graph replays with new slot tables; the same calls on PyTorch's
-tensors and stream, inside its graph capture too."""
+tensors and stream, inside its graph capture too; packed prefill, on each walk of the chunked
+core."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from kdarun import DevicePtr
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
-from ..helpers import Env, assert_batch_matches_single, assert_packed_matches_alone, bits
+from ..helpers import (Env, assert_batch_matches_single, assert_packed_matches_alone, bits,
+                       forced_core)
 
 
 @pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
@@ -119,8 +121,8 @@ PACK_OUT_TOL, PACK_STATE_TOL = 6e-3, 2e-3
 
 
 @pytest.mark.parametrize("initial", [False, True], ids=["zero-state", "initial-state"])
-def test_prefill_packed_equals_each_prefill(pair, initial):
-    cu, _ = pair
+def test_prefill_packed_equals_each_prefill(core_pair, initial):
+    cu, _ = core_pair
     diff = assert_packed_matches_alone(cu, [1, 63, 64, 65, 1000],
                                        [initial, not initial, initial, True, initial], seed=500,
                                        gemm_exact=False, out_tol=PACK_OUT_TOL,
@@ -128,18 +130,18 @@ def test_prefill_packed_equals_each_prefill(pair, initial):
     print(f"packed vs alone, rel: {diff}")
 
 
-def test_prefill_packed_checkpoints_equal_prefix_prefills(pair):
-    cu, _ = pair
+def test_prefill_packed_checkpoints_equal_prefix_prefills(core_pair):
+    cu, _ = core_pair
     diff = assert_packed_matches_alone(cu, [1000, 256, 300, 1], [True, False, True, False],
                                        seed=510, checkpoint_every=256, gemm_exact=False,
                                        out_tol=PACK_OUT_TOL, state_tol=PACK_STATE_TOL)
     print(f"packed with checkpoints vs alone, rel: {diff}")
 
 
-def test_prefill_packed_many_sequences_share_walk_blocks(pair):
+def test_prefill_packed_many_sequences_share_walk_blocks(core_pair):
     """More sequences than the walk has blocks a head slice (one wave): a block walks several
     segments in turn, its copies running ahead across their ends."""
-    cu, _ = pair
+    cu, _ = core_pair
     rng = np.random.default_rng(530)
     lengths = [int(x) for x in rng.integers(1, 65, 60)]
     diff = assert_packed_matches_alone(cu, lengths, [bool(x) for x in rng.integers(0, 2, 60)],
@@ -148,9 +150,10 @@ def test_prefill_packed_many_sequences_share_walk_blocks(pair):
     print(f"60 packed sequences vs alone, rel: {diff}")
 
 
-def test_prefill_packed_in_windows(cuda, gpu_ckpts):
+def test_prefill_packed_in_windows(cuda, gpu_ckpts, core):
     """A pack past the workspace runs in windows, a long sequence in pieces through its slot."""
-    env = Env(cuda, gpu_ckpts["d128"], 256)
+    with forced_core(core):
+        env = Env(cuda, gpu_ckpts["d128"], 256)
     diff = assert_packed_matches_alone(env, [1, 63, 300, 65, 200], [False, True, True, False,
                                                                     True], seed=520,
                                        gemm_exact=False, out_tol=PACK_OUT_TOL,

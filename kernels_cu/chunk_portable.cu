@@ -1,0 +1,257 @@
+// The portable walk: the chunked core's sequential pass (kda_chunk_inter's job) on m16n8k16
+// mma.sync and cp.async, for every GPU from sm_80 on (Blackwell has no warpgroup MMAs; Ampere
+// and Ada have no bulk copies). It reads the operand images kda_chunk_intra writes for the
+// Hopper walk (chunk.cuh) and, as that walk does, walks a block's share of the segments
+// (segments.cuh: each from its pool slot's state or zero, its core rows at its packed rows,
+// checkpoints every `every` chunks, its final state to its slot) for one (head, WALK_ROWS-row
+// slice of the state):
+//   W^T = S^T w^T;  O^T = S^T qg^T;  v^T = u^T - W^T;  O^T += v^T Aqk^T;
+//   S^T = S^T diag(gl) + v^T kd,
+// every product 3xBF16 from split words (mma3), so it computes what the Hopper walk computes
+// to fp32 rounding, in another summation order.
+//
+// A warp carries 16 rows of S^T (the MMA's m) with all D columns as fp32 accumulator fragments,
+// so no product is split over warps and nothing is reduced across them; an accumulator's
+// fragments are the next product's A operand (frag_of), and the B operands come from shared
+// memory by ldmatrix (.trans for w, whose image is MN-major).
+// A chunk's operands arrive as four pieces, in the order the products take them: w; qg; u's
+// slice with Aqk; kd with gl. Each piece is one slot of a ring of PWalk::STAGES slots filled
+// by cp.async, STAGES - 1 pieces ahead of the products, so the ring's size, not the chunk's
+// 129 KB of operands (D = 128), sets the shared memory: it fits every GPU's per-block limit.
+#include "chunk.cuh"
+#include "segments.cuh"
+
+template <int D>
+struct PWalk {
+    static_assert(PORTABLE_WALK_THREADS == 32 * (WALK_ROWS / 16), "a warp per 16 state rows");
+    static constexpr int IMG = CHUNK * D * 4;  // w, qg, kd: hi then lo plane, bytes
+    static constexpr int U_BYTES = CHUNK * WALK_ROWS * 4, A_BYTES = CHUNK * CHUNK * 4;
+    static constexpr int GL_BYTES = D * 4;
+    static constexpr int SLOT = IMG + GL_BYTES > U_BYTES + A_BYTES ? IMG + GL_BYTES
+                                                                   : U_BYTES + A_BYTES;
+    // as many slots as the block's shared memory holds, up to a chunk's four pieces
+    static constexpr int FIT = SMEM_PER_BLOCK / SLOT;
+    static constexpr int STAGES = FIT < 4 ? FIT : 4;
+    static_assert(STAGES >= 3, "two pieces in flight behind the one the products read");
+    static constexpr int BYTES = STAGES * SLOT;
+};
+
+// Eight b16 rows of four 8 x 8 tiles, transposed: lane 8 j + i names row i of tile j, and r[j]
+// gets this lane's word of tile j's transpose (rows 2 (lane % 4), + 1 of column lane / 4): an
+// MMA's B fragment from a tile whose 16-byte rows run along n.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// B's fragment (hi, lo) of k-step s and n-tile n0.. from a staged K-major image of N rows by K
+// (img_word): tiles hi k-octet 2 s, hi 2 s + 1, lo 2 s, lo 2 s + 1, 128 contiguous bytes each,
+// so every ldmatrix phase is conflict-free.
+template <int N, int K>
+__device__ __forceinline__ Frag frag_img(const unsigned* img, int s, int n0, int lane) {
+    const int j = lane >> 3;
+    unsigned x[4];
+    ldmatrix_x4(x, img + (j >> 1) * (N * K / 2) + 4 * N * (2 * s + (j & 1)) +
+                       4 * (n0 + (lane & 7)));
+    return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
+}
+
+// The same from w's MN-major image (w_word): a tile is 8 dimensions (k) x 8 tokens (n), its
+// 16-byte rows along n, so ldmatrix transposes it into the fragment.
+template <int D>
+__device__ __forceinline__ Frag frag_w(const unsigned* img, int s, int n0, int lane) {
+    const int j = lane >> 3;
+    unsigned x[4];
+    ldmatrix_x4_trans(x, img + (j >> 1) * (CHUNK * D / 2) + 4 * CHUNK * (2 * s + (j & 1)) +
+                             32 * (n0 >> 3) + 4 * (lane & 7));
+    return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
+}
+
+// bytes (a multiple of 16) from global memory into a slot, 16 a thread at a time
+__device__ __forceinline__ void stage(unsigned char* dst, const void* src, int bytes) {
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    for (int i = 16 * threadIdx.x; i < bytes; i += 16 * PORTABLE_WALK_THREADS)
+        cp_async16(dst + i, s + i);
+}
+
+template <int D>
+__device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
+                              const float* __restrict__ gl, const unsigned* __restrict__ w_in,
+                              const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
+                              float* __restrict__ state, float* __restrict__ core,
+                              const int* __restrict__ segs, int nseg, int T, int H) {
+    using L = PWalk<D>;
+    constexpr int KD = D / 16, KC = CHUNK / 16;  // k-steps over D and over C
+    constexpr int NC = CHUNK / 8, ND = D / 8;    // n-tiles over C and over D
+    extern __shared__ __align__(16) unsigned char smb[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    // What this block walks: head h, state rows v0 .. v0 + WALK_ROWS - 1, and segments
+    // blockIdx.z, + gridDim.z, ... (segments.cuh) one after another as one stream of chunks, so
+    // the ring runs ahead across a segment's end.
+    const int h = blockIdx.x, slice = blockIdx.y, v0 = slice * WALK_ROWS, zs = gridDim.z;
+    const int vr = 16 * warp + g;  // this thread's rows of the slice: vr, vr + 8
+    int nchunks = 0;
+    for (int si = blockIdx.z; si < nseg; si += zs) nchunks += segment_at(segs, si, T).chunks;
+
+    // piece p = 4 wc + k of the block's chunk wc into slot p % STAGES; past the last piece an
+    // empty group, so that every wait below counts the same groups. Pieces go out in order, so
+    // one cursor (segment, its chunk) names the chunk of each new wc.
+    int cur_si = blockIdx.z, cur_ci = 0;
+    Segment cur = segment_at(segs, cur_si, T);
+    u64 blk = 0;  // (chunk, head) block of the pieces going out
+    auto issue = [&](int p) {
+        if (p < 4 * nchunks) {
+            if ((p & 3) == 0) {
+                blk = (u64)(cur.chunk0 + cur_ci) * H + h;
+                if (++cur_ci == cur.chunks) {
+                    cur_ci = 0, cur_si += zs;
+                    if (cur_si < nseg) cur = segment_at(segs, cur_si, T);
+                }
+            }
+            unsigned char* dst = smb + (p % L::STAGES) * L::SLOT;
+            switch (p & 3) {
+            case 0: stage(dst, w_in + blk * CHUNK * D, L::IMG); break;
+            case 1: stage(dst, qg + blk * CHUNK * D, L::IMG); break;
+            case 2:
+                stage(dst, u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS, L::U_BYTES);
+                stage(dst + L::U_BYTES, aqk + blk * CHUNK * CHUNK, L::A_BYTES);
+                break;
+            default:
+                stage(dst, kd + blk * D * CHUNK, L::IMG);
+                stage(dst + L::IMG, gl + blk * D, L::GL_BYTES);
+            }
+        }
+        cp_commit();
+    };
+    int piece = 0;
+    // The next piece, landed for every thread; its predecessor's slot, which every warp is
+    // done with past the barrier, then takes the piece STAGES - 1 ahead.
+    auto next = [&]() -> const unsigned char* {
+        cp_wait<L::STAGES - 2>();
+        __syncthreads();
+        issue(piece + L::STAGES - 1);
+        return smb + (piece++ % L::STAGES) * L::SLOT;
+    };
+    for (int p = 0; p < L::STAGES - 1; ++p) issue(p);
+
+    // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): n-tile j of the warp's m16nD accumulator, at
+    // this thread's offset in a slot's state
+    const u64 slot_floats = (u64)H * D * D, at = ((u64)h * D + v0 + vr) * D + 2 * t4;
+    auto store_state = [&](float* st, const float (&x)[D / 2]) {
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {
+            *reinterpret_cast<float2*>(st + 8 * j) = make_float2(x[4 * j], x[4 * j + 1]);
+            *reinterpret_cast<float2*>(st + 8 * D + 8 * j) =
+                make_float2(x[4 * j + 2], x[4 * j + 3]);
+        }
+    };
+    for (int si = blockIdx.z; si < nseg; si += zs) {
+        const Segment sg = segment_at(segs, si, T);
+        float* st = state + sg.slot * slot_floats + at;
+        float S[D / 2];
+#pragma unroll
+        for (int j = 0; j < ND; ++j) {  // a sequence without initial state starts from zero
+            const float2 a = sg.init ? *reinterpret_cast<const float2*>(st + 8 * j) : float2{};
+            const float2 b =
+                sg.init ? *reinterpret_cast<const float2*>(st + 8 * D + 8 * j) : float2{};
+            S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
+        }
+
+        for (int ci = 0; ci < sg.chunks; ++ci) {
+            // W^T and O^T's first term, S^T's fragments split as each k-step needs them
+            float P[CHUNK / 2] = {}, Pe[CHUNK / 2] = {};
+            const unsigned* wimg = reinterpret_cast<const unsigned*>(next());
+#pragma unroll
+            for (int s = 0; s < KD; ++s) {
+                Frag a;
+                frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
+#pragma unroll
+                for (int j = 0; j < NC; ++j)
+                    mma3(P + 4 * j, Pe + 4 * j, a, frag_w<D>(wimg, s, 8 * j, lane));
+            }
+#pragma unroll
+            for (int i = 0; i < CHUNK / 2; ++i) P[i] += Pe[i];
+            float O[CHUNK / 2] = {}, Oe[CHUNK / 2] = {};
+            const unsigned* qimg = reinterpret_cast<const unsigned*>(next());
+#pragma unroll
+            for (int s = 0; s < KD; ++s) {
+                Frag a;
+                frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
+#pragma unroll
+                for (int j = 0; j < NC; ++j)
+                    mma3(O + 4 * j, Oe + 4 * j, a, frag_img<CHUNK, D>(qimg, s, 8 * j, lane));
+            }
+
+            // v^T = u^T - W^T, its fragments; O^T += v^T Aqk^T
+            const unsigned char* ua = next();
+            const float* us = reinterpret_cast<const float*>(ua);
+            const unsigned* aimg = reinterpret_cast<const unsigned*>(ua + L::U_BYTES);
+#pragma unroll
+            for (int j = 0; j < NC; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    P[4 * j + i] =
+                        us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
+            Frag V[KC];
+#pragma unroll
+            for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, V[s].hi, V[s].lo);
+#pragma unroll
+            for (int s = 0; s < KC; ++s)
+#pragma unroll
+                for (int j = 0; j < NC; ++j)
+                    mma3(O + 4 * j, Oe + 4 * j, V[s], frag_img<CHUNK, CHUNK>(aimg, s, 8 * j, lane));
+            // O^T rows vr (+ 8) = core[row0 + t][h][v0 + vr (+ 8)], t < rows: the packed rows
+            const int c0 = ci * CHUNK;  // the segment's own token
+#pragma unroll
+            for (int j = 0; j < NC; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = c0 + 8 * j + 2 * t4 + (i & 1);
+                    if (t < sg.rows)
+                        core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] =
+                            O[4 * j + i] + Oe[4 * j + i];
+                }
+
+            // S^T = S^T diag(gl) + v^T kd: D / 8 tiles are chains enough, so the three terms
+            // go into S alone (a second accumulator would cost D / 2 registers)
+            const unsigned char* kg = next();
+            const unsigned* kimg = reinterpret_cast<const unsigned*>(kg);
+            const float* gls = reinterpret_cast<const float*>(kg + L::IMG);
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
+                S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
+            }
+#pragma unroll
+            for (int s = 0; s < KC; ++s)
+#pragma unroll
+                for (int j = 0; j < ND; ++j)
+                    mma3(S + 4 * j, S + 4 * j, V[s], frag_img<D, CHUNK>(kimg, s, 8 * j, lane));
+            // a checkpoint after every `every` whole chunks: the state of that prefix alone
+            if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
+                const int slot = segs[sg.ckpt + (ci + 1) / sg.every - 1];
+                if (slot >= 0) store_state(state + slot * slot_floats + at, S);
+            }
+        }
+        store_state(st, S);
+    }
+    cp_wait<0>();  // the trailing groups are empty; nothing is left in flight at exit
+}
+
+// The same arguments as kda_chunk_inter (and one host twin for both); the dynamic shared
+// memory, the slot ring, is exported as <kernel>_smem.
+#define KDA_CHUNK_INTER_PORTABLE(D)                                                            \
+    extern "C" __global__ void __launch_bounds__(PORTABLE_WALK_THREADS, 1)                     \
+        kda_chunk_inter_portable_d##D(const unsigned* qg, const unsigned* kd, const float* gl, \
+                                      const unsigned* w, const float* u, const unsigned* aqk,  \
+                                      float* state, float* core, const int* segs, int nseg,    \
+                                      int T, int H) {                                          \
+        walk_portable<D>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H);                \
+    }                                                                                          \
+    extern "C" {                                                                               \
+    __constant__ int kda_chunk_inter_portable_d##D##_smem = PWalk<D>::BYTES;                   \
+    }
+KDA_CHUNK_INTER_PORTABLE(64)
+KDA_CHUNK_INTER_PORTABLE(128)

@@ -1,0 +1,81 @@
+"""Every kernel fits every GPU kdarun supports: each kernels_cu/ family built with nvcc for each
+architecture of kernels.SUPPORTED_ARCHS (with that architecture's compile_defines), and each
+entry's registers and shared memory checked against the limits of a block there. The builds
+are the runtime's, less NVRTC; skipped where nvcc is missing (CI has it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kdarun.backend import kernels_dir
+from kdarun.host_kernels import HOST_KERNELS
+from kdarun.kernels import (FAMILIES, SMEM_PER_BLOCK, SUPPORTED_ARCHS, THREADS, arch_cc,
+                            compile_defines)
+
+REGISTERS_PER_BLOCK = 64 * 1024  # 32-bit registers, every capability from 8.0 to 12.x
+REGISTERS_PER_THREAD = 255
+STATIC_SMEM = 48 * 1024  # static shared memory a block may declare
+
+
+def _build(arch: str, fam: str, tmp: Path) -> tuple[str, str]:
+    """ptxas' report and the PTX of one family built for one architecture."""
+    d = tmp / f"{arch}-{fam}"
+    d.mkdir()
+    p = subprocess.run([shutil.which("nvcc"), f"-arch={arch}", "-std=c++17", "-I",
+                        str(kernels_dir()), *compile_defines(arch_cc(arch)), "-cubin",
+                        "-Xptxas", "-v", "-keep", "-keep-dir", str(d), "-o", str(d / "k.cubin"),
+                        str(kernels_dir() / f"{fam}.cu")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    (ptx,) = d.glob("*.ptx")
+    return p.stderr, ptx.read_text()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[tuple[str, str], tuple[str, str]]:
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    tmp = tmp_path_factory.mktemp("arch")
+    jobs = [(arch, fam) for arch in SUPPORTED_ARCHS for fam in FAMILIES]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        done = pool.map(lambda job: _build(*job, tmp), jobs)
+        return dict(zip(jobs, done))
+
+
+def _kernels(report: str, ptx: str) -> dict[str, dict[str, int]]:
+    """Each entry's registers, static and exported dynamic shared memory, and block size (its
+    __launch_bounds__; THREADS for the element-wise kernels, which launch blocks of THREADS)."""
+    out = {}
+    for m in re.finditer(r"Compiling entry function '(\w+)'.*?Used (\d+) registers(.*?)\n",
+                         report, re.S):
+        static = re.search(r"(\d+) bytes smem", m.group(3))
+        out[m.group(1)] = {"regs": int(m.group(2)), "static": int(static.group(1)) if static else 0}
+    for name, k in out.items():
+        dyn = re.search(rf"\.u32 {name}_smem = (\d+);", ptx)
+        k["dynamic"] = int(dyn.group(1)) if dyn else 0
+        bounds = re.search(rf"\.entry {name}\((?:.|\n)*?\)\s*(\.maxntid (\d+),)?", ptx)
+        k["threads"] = int(bounds.group(2)) if bounds.group(2) else THREADS
+    return out
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_every_launch_fits_the_architecture(builds, arch):
+    cc, limit = arch_cc(arch), SMEM_PER_BLOCK[arch_cc(arch)]
+    for fam in FAMILIES:
+        kernels = _kernels(*builds[arch, fam])
+        # the Hopper walk exists where its warpgroup MMAs do; every other entry everywhere
+        want = {n for n in HOST_KERNELS[fam]
+                if arch == "sm_90a" or not n.startswith("kda_chunk_inter_d")}
+        assert set(kernels) == want, (arch, fam)
+        for name, k in kernels.items():
+            where = f"{name} on {arch} (capability {cc / 10:.1f})"
+            assert k["regs"] <= REGISTERS_PER_THREAD, where
+            assert k["regs"] * k["threads"] <= REGISTERS_PER_BLOCK, (where, k)
+            assert k["static"] <= STATIC_SMEM, (where, k)
+            assert k["static"] + k["dynamic"] <= limit, (where, k, limit)
