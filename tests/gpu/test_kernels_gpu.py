@@ -14,6 +14,7 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
         ("chunk", "kda_chunk_inter_d128"), ("norm", "gated_rmsnorm"))}
     assert smem["gated_rmsnorm"] == 0  # exports none: takes none
     assert smem["dense_gemv_bf16"] == smem["front_end_gemv"] > 0
-    assert cuda.shared_bytes(kn.modules["gemv"], "front_end_gemv_batch") == smem["front_end_gemv"]
+    for name in ("front_end_gemv_batch", "dense_gemv_bf16_batch"):  # the slab rings: past 48 KB
+        assert 48 * 1024 < cuda.shared_bytes(kn.modules["gemv"], name) <= 227 * 1024, name
     assert smem["kda_chunk_intra_d64"] == smem["kda_chunk_intra_d128"] > 48 * 1024
     assert 48 * 1024 < smem["kda_chunk_inter_d64"] < smem["kda_chunk_inter_d128"] <= 227 * 1024
