@@ -28,6 +28,9 @@ MAX_DECODE_ROWS = 8  # a sequence's rows a call at most (decode_k's K): the deco
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_CONV_KERNEL = 8  # W at most: the conv kernels' register window
 L2_NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + L2_NORM_EPS)
+# int32 fields of a packed prefill's segment table row (kernels_cu/segments.cuh):
+# chunk0, chunks, row0, rows, slot, init, every, ckpt
+SEG_FIELDS = 8
 
 LAYOUTS = ("kimi_linear", "glm5_next")
 MODEL_TYPES = {"kimi_linear": "kimi_linear", "glm5_next": "glm5_next",

@@ -32,7 +32,7 @@ class CupyBackend(GpuBackend):
         self._cc = 10 * int(props["major"]) + int(props["minor"])
         if self._cc < MIN_CC:
             raise KdaError(f"{self._name} has compute capability {props['major']}.{props['minor']}"
-                           f"; kdarun's kernels need 8.0 or later (Ampere on: bf16 mma.sync, "
+                           f"; kdarun's kernels need {MIN_CC // 10}.{MIN_CC % 10} or later (Ampere on: bf16 mma.sync, "
                            f"cp.async)")
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import CHUNK, L2_NORM_EPS
+from .config import CHUNK, L2_NORM_EPS, SEG_FIELDS
 from .dtypes import BF16, F32
 
 f32 = np.float32  # fp32 scalars, so NumPy keeps fp32 arithmetic
-SEG_FIELDS = 8  # kernels_cu/segments.cuh's row: chunk0, chunks, row0, rows, slot, init, every, ckpt
 
 
 def _segments(gpu, segs, nseg, t) -> list[tuple[int, ...]]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend, LaunchConfig
-from .config import CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_FIELDS,
+                     Glm5NextKdaConfig)
 from .dtypes import BF16, F32
 from .errors import KdaError
 
@@ -57,7 +58,6 @@ WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup 
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 PORTABLE_WALK_THREADS = 2 * WALK_ROWS  # kda_chunk_inter_portable's: a warp per 16 rows (MMA m)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
-SEG_FIELDS = 8  # int32 fields of a segment table row (kernels_cu/segments.cuh)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 

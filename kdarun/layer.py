@@ -420,8 +420,11 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     if bounds[0] != 0 or min(lengths) < 1:
         raise KdaError(f"prefill_packed: cu_seqlens must start at 0 and rise by at least 1 a "
                        f"sequence, got {bounds}")
+    if pool.cfg != layer.cfg:
+        raise KdaError("prefill_packed: the state pool was made for a different config")
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
+    _check_slots("slots", slots, pool, 0)
     if checkpoint_every:
         if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
@@ -432,6 +435,16 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
+        flat = [c for cs in checkpoint_slots for c in cs]
+        _check_slots("checkpoint_slots", flat, pool, -1)
+        named = [c for c in flat if c >= 0]
+        taken = set(named) & set(slots)
+        if len(set(named)) != len(named) or taken:
+            raise KdaError(f"prefill_packed: each checkpoint needs a slot of its own, apart from "
+                           f"the sequences' slots (the walks of a pack run at once); "
+                           f"{sorted(taken) or 'a checkpoint slot'} named twice in "
+                           f"checkpoint_slots {[list(c) for c in checkpoint_slots]} and "
+                           f"slots {list(slots)}")
     # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
     # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
     # sequence; a piece after the first starts from the state its predecessor left in the slot.
@@ -465,13 +478,23 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                                      every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
         seqs = None
         if layer.stage_hook is not None:  # each piece's rows, for the stage dumps
-            r0, p0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
+            r0, pad0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
             seqs = SeqRows(tuple(int(i) for i in seq[w]),
                            tuple((int(a), int(a + n)) for a, n in zip(r0, p_rows[w])),
-                           tuple((int(a), int(a + n)) for a, n in zip(p0, p_rows[w])))
+                           tuple((int(a), int(a + n)) for a, n in zip(pad0, p_rows[w])))
         _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
                     table, end - k, t_pad, pool, ws, out, stream, seqs)
         k = end
+
+
+def _check_slots(what: str, slots: Sequence[int], pool: KdaStatePool, low: int) -> None:
+    """Every entry an int in [low, pool.slots): the kernels index the pool with them unchecked."""
+    bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, (int, np.integer))
+           or not low <= s < pool.slots]
+    if bad:
+        raise KdaError(f"prefill_packed: {what} must be ints in [{low}, {pool.slots}) (the "
+                       f"pool's slots{', -1 skipping one' if low < 0 else ''}), got {bad[:4]} "
+                       f"in {list(slots)[:16]}")
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,

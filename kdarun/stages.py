@@ -70,6 +70,7 @@ class StageRecorder:
         self.call = "run"
         self.records: list[StageRecord] = []
         self.arrays: dict[str, np.ndarray] = {}
+        self._window: dict[str, tuple[int, ...]] = {}  # a sequence's key -> the call it came in
 
     def begin(self, call: str) -> None:
         self.call = call
@@ -83,10 +84,12 @@ class StageRecorder:
         for i, (start, stop) in zip(stage.seq_ids, stage.seq_rows):
             rows = np.take(full, np.arange(start, stop), axis=stage.row_axis)
             key = f"seq{i}.{self.call}/{stage.name}"
-            if key not in self.arrays:
+            if key not in self.arrays or self._window.get(key) is stage.seq_ids:
                 self.record(key, stage.kernel, rows, stage.row_axis, stage.layout)
+                self._window[key] = stage.seq_ids
                 continue
-            # a later piece of a sequence longer than a window: its rows follow, in place
+            # a later window's piece of a sequence longer than a window: its rows follow
+            self._window[key] = stage.seq_ids
             whole = np.concatenate([self.arrays[key], rows], axis=stage.row_axis)
             self.arrays[key] = whole
             next(r for r in self.records if r.key == key).shape = list(whole.shape)

@@ -214,6 +214,9 @@ class TpGroup(DeviceOwner):
         """`layer.prefill_packed` of every held rank into out [T_total, hidden] bf16, a pool
         a rank (one slot numbering for all), then the sum."""
         self._check_per_rank("prefill_packed: pools", pools)
+        if len(cu_seqlens) < 2:
+            raise KdaError(f"prefill_packed: cu_seqlens must hold N+1 >= 2 row offsets, got "
+                           f"{list(cu_seqlens)}")
         self._summed(int(cu_seqlens[-1]), lambda i, layer, ws: prefill_packed(
             layer, gpu, hidden, cu_seqlens, slots, has_initial_state, pools[i], ws, out, stream,
             checkpoint_every, checkpoint_slots), stream, out)

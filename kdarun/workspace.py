@@ -16,10 +16,9 @@ from typing import Callable
 import numpy as np
 
 from .backend import DeviceOwner, DevicePtr, GpuBackend
-from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig, check_config
+from .config import CHUNK, MAX_DECODE_ROWS, SEG_FIELDS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
-from .kernels import SEG_FIELDS
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]

@@ -6,7 +6,7 @@
 // -DNAME=value by kdarun.kernels.compile_defines(), so each value is written in one place.
 #if !defined(CHUNK) || !defined(THREADS) || !defined(GEMV_TILE) || !defined(L2_NORM_EPS) || \
     !defined(SMEM_PER_BLOCK)
-#error "build kernels_cu/ with the flags of kdarun.kernels.compile_defines() (python3 -m kdarun.kernels)"
+#error "build kernels_cu/ with the -D flags of kdarun.kernels.compile_defines() (see .ci/run)"
 #endif
 
 typedef unsigned short bf16;

@@ -208,7 +208,7 @@ __device__ __forceinline__ void decode_rows(
                                      nrows, nsnap, H, W, scale, eps);                           \
     }
 // Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
-// slice D / split.. of it (split = gridDim.y, a power of two up to 16: small batches split a
+// slice D / split.. of it (split = gridDim.y, a power of two up to DECODE_BATCH_MAX_SPLIT: small batches split a
 // head over more blocks, so the state still streams through the whole GPU). 2 D threads: each
 // first convolves q (threads < D) or k, then v or the decay, for all nrows tokens before any
 // state row moves, so the K tokens of a verify cost two barriers, not two a token; then each

@@ -160,3 +160,16 @@ def test_prefill_packed_refuses_bad_packs(env):
         call([0, 4, 10], [1, 1], [False, False])
     with pytest.raises(KdaError, match="multiple of 64"):
         call([0, 4, 10], [0, 1], [False, False], checkpoint_every=100, checkpoint_slots=[[], []])
+    with pytest.raises(KdaError, match=r"slots must be ints in \[0, 4\).*got \[4\]"):
+        call([0, 4, 10], [0, 4], [False, False])
+    with pytest.raises(KdaError, match=r"slots must be ints in \[0, 4\).*got \[-1\]"):
+        call([0, 4, 10], [-1, 2], [False, False])
+    with pytest.raises(KdaError, match=r"checkpoint_slots must be ints in \[-1, 4\)"):
+        call([0, 64, 128], [0, 1], [False, False], checkpoint_every=64,
+             checkpoint_slots=[[7], [2]])
+    with pytest.raises(KdaError, match=r"a slot of its own, apart from the sequences' slots.*\[1\]"):
+        call([0, 64, 128], [0, 1], [False, False], checkpoint_every=64,
+             checkpoint_slots=[[1], [2]])
+    with pytest.raises(KdaError, match="a slot of its own, apart from"):
+        call([0, 64, 128], [0, 1], [False, False], checkpoint_every=64,
+             checkpoint_slots=[[2], [2]])
