@@ -132,6 +132,43 @@ __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf1
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
+// The gate blocks' wait: until `early` f_a|g_a|b blocks (or warps) counted themselves done.
+__device__ __forceinline__ void wait_early(int* sync, int early) {
+    if (threadIdx.x == 0) {
+        while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// beta = sigmoid(b) of M rows, b in gate_in (row stride ldg) after f_a and g_a.
+__device__ __forceinline__ void beta_rows(const bf16* gate_in, float* beta, int M, int H, int ldg,
+                                          int R) {
+    for (int i = threadIdx.x; i < M * H; i += blockDim.x)
+        beta[i] = sigmoidf_(bf2f(__ldcg(gate_in + (u64)(i / H) * ldg + 2 * R + i % H)));
+}
+
+// A gate output: f_b's to g_raw and, from the rounded value, the forget gate; g_b's to out_gate.
+__device__ __forceinline__ void gate_store(bool is_f, bf16* g_raw, float* gate, bf16* out_gate,
+                                           const float* a_log, const float* dt_bias, int qkv,
+                                           int D, float lower_bound, int bounded, int c, int m,
+                                           float v) {
+    const bf16 r = f2bf(v);
+    if (is_f) {
+        g_raw[(u64)m * qkv + c] = r;
+        gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c], expf(a_log[c / D]),
+                                                lower_bound, bounded);
+    } else {
+        out_gate[(u64)m * qkv + c] = r;
+    }
+}
+
+// The last gate block to finish (sync[1] counts them) zeroes both counters for the next call.
+__device__ __forceinline__ void gates_done(int* sync, int gate_blocks) {
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
+}
+
 // Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (q|k|v to
 // qkv_proj [M, 3*qkv] and qkv_parts [3, P, qkv] rows 0..M-1 of each part, f_a|g_a|b to
 // gate_in [M, ldg]), then from f_a and g_a the low-rank gates (g_raw with the forget gate
@@ -139,11 +176,10 @@ __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf1
 // this launch produces, so the f_a|g_a|b tiles come first (the lowest blocks), with ks_early
 // shares each so that they finish well before the q|k|v tiles, and count themselves done in
 // sync[0]; the gate blocks come last and wait for that count, so none waits on a block that
-// might not have started. The launch is sized to fit the SMs at once (the caller picks ks so),
-// so the gate blocks are resident from the start, wait with their first f_b / g_b weights in
-// flight, and compute while the q|k|v tiles still stream: the gates cost no launch and no wave
-// of their own. The last gate block to finish (sync[1] counts them) zeroes both counters for
-// the next call.
+// might not have started as long as blocks start in index order (docs/design.md: a launch of
+// more blocks than the SMs hold relies on it). The gate blocks wait with their first f_b / g_b
+// weights in flight and compute while the q|k|v tiles still stream: the gates cost no launch
+// and no wave of their own.
 __device__ __forceinline__ void front_end(
     const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
     bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, const bf16* __restrict__ f_b,
@@ -178,19 +214,12 @@ __device__ __forceinline__ void front_end(
         }
         return;
     }
-    auto early_done = [&]() {
-        if (threadIdx.x == 0) {
-            while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
-            __threadfence();
-        }
-        __syncthreads();
-    };
+    auto early_done = [&]() { wait_early(sync, early); };
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
         early_done();
-        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
-            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
+        beta_rows(f_a, beta, M, H, ldg, R);
     } else {
         // qkv % GEMV_TILE == 0: a tile is all f or all g
         const int n0 = gemv_tile_index(gb, ks_gate) * GEMV_TILE;
@@ -200,18 +229,11 @@ __device__ __forceinline__ void front_end(
         if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
                                ks_gate, out, early_done))  // f_b / g_b load while tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
-                const bf16 r = f2bf(v);
-                if (is_f) {
-                    g_raw[(u64)m * qkv + c] = r;
-                    gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c],
-                                                            expf(a_log[c / D]), lower_bound, bounded);
-                } else {
-                    out_gate[(u64)m * qkv + c] = r;
-                }
+                gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
+                           bounded, c, m, v);
             });
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
+    gates_done(sync, gate_blocks);
 }
 
 // The batch GEMVs: a block's GEMV_WARPS warps compute TB tiles (16 TB output rows from n0) for
@@ -416,19 +438,12 @@ __device__ __forceinline__ void front_end_slab(
         }
         return;
     }
-    auto early_done = [&]() {
-        if (threadIdx.x == 0) {
-            while (*reinterpret_cast<volatile int*>(&sync[0]) < early_blocks) __nanosleep(64);
-            __threadfence();
-        }
-        __syncthreads();
-    };
+    auto early_done = [&]() { wait_early(sync, early_blocks); };
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
         early_done();
-        for (int i = threadIdx.x; i < M * H; i += blockDim.x)
-            beta[i] = sigmoidf_(bf2f(__ldcg(f_a + (u64)(i / H) * ldg + 2 * R + i % H)));
+        beta_rows(f_a, beta, M, H, ldg, R);
     } else {
         // qkv % rows == 0: a block is all f or all g
         const int n0 = gb * rows;
@@ -438,18 +453,11 @@ __device__ __forceinline__ void front_end_slab(
         if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
                           out, early_done))  // f_b / g_b load while the early blocks finish
             slab_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
-                const bf16 r = f2bf(v);
-                if (is_f) {
-                    g_raw[(u64)m * qkv + c] = r;
-                    gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c],
-                                                            expf(a_log[c / D]), lower_bound, bounded);
-                } else {
-                    out_gate[(u64)m * qkv + c] = r;
-                }
+                gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
+                           bounded, c, m, v);
             });
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
+    gates_done(sync, gate_blocks);
 }
 
 // The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
