@@ -71,6 +71,29 @@ __device__ __forceinline__ void conv_store(bf16* conv_state, const bf16 (&tap)[M
 }
 
 // decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
+// One state row's delta-rule step, a warp a row, E of its D columns a lane: decay, the row's
+// k.S, its update, then its output q.S. Decode and the batch run this one code, so a row's
+// bits do not depend on which kernel ran it.
+template <int E>
+__device__ __forceinline__ float delta_row(float (&s)[E], const float (&gv)[E],
+                                           const float (&kv)[E], const float (&qv)[E], float b,
+                                           float v) {
+    float kS = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        s[e] *= gv[e];
+        kS = __fmaf_rn(s[e], kv[e], kS);
+    }
+    const float bres = b * (v - warp_sum(kS));
+    float o = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        s[e] = __fmaf_rn(bres, kv[e], s[e]);
+        o = __fmaf_rn(s[e], qv[e], o);
+    }
+    return warp_sum(o);
+}
+
 template <int D, int SPLIT>
 __device__ __forceinline__ void decode_rows(
     const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
@@ -144,20 +167,7 @@ __device__ __forceinline__ void decode_rows(
 #pragma unroll
             for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 const int j = row0 + r;
-                float kS = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    s[r][e] *= gv[e];
-                    kS = __fmaf_rn(s[r][e], kv[e], kS);
-                }
-                const float bres = b * (vs[j] - warp_sum(kS));
-                float o = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
-                    o = __fmaf_rn(s[r][e], qv[e], o);
-                }
-                o = warp_sum(o);
+                const float o = delta_row(s[r], gv, kv, qv, b, vs[j]);
                 if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
             }
             if (row < nsnap)  // the state after this row, for a partial accept
@@ -304,20 +314,7 @@ __device__ __forceinline__ void decode_batch(
         for (int r = 0; r < RPW; ++r) {
             if (r >= rpw) break;
             const int j = row0 + r;
-            float kS = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                s[r][e] *= gv[e];
-                kS = __fmaf_rn(s[r][e], kv[e], kS);
-            }
-            const float bres = bs[t] * (vs[t][j] - warp_sum(kS));
-            float o = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                s[r][e] = __fmaf_rn(bres, kv[e], s[r][e]);
-                o = __fmaf_rn(s[r][e], qv[e], o);
-            }
-            o = warp_sum(o);
+            const float o = delta_row(s[r], gv, kv, qv, bs[t], vs[t][j]);
             if (lane == 0) {
                 core[(u64)t * qkv + h * D + j] = o;
                 cs[t][j] = o;
