@@ -16,7 +16,7 @@ import sys
 from contextlib import ExitStack
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -108,6 +108,20 @@ def _repeat_command(**resolved) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+def _tp_options(scope: str) -> Callable:
+    """--tp and --tp-mode, as layer-run and bench take them; `scope` ends --tp-mode's help."""
+    def add(f: Callable) -> Callable:
+        f = click.option("--tp-mode", type=click.Choice(TP_MODE_CHOICES), default="auto",
+                         show_default=True,
+                         help="How --tp N runs: nccl (one process a GPU, an NCCL all-reduce), "
+                              "in-turn (the N ranks one after the other on one device) or auto "
+                              f"(in-turn on the host backend or one GPU, else nccl){scope}.")(f)
+        return click.option("--tp", "tp", type=click.IntRange(1), default=1, show_default=True,
+                            help="Tensor parallel ranks: the layer's heads split over N ranks, "
+                                 "their outputs summed (num_heads must divide by N).")(f)
+    return add
+
+
 @click.group(cls=_Cli)
 @click.version_option(_version(), prog_name="kdarun")
 @click.option("--debug", is_flag=True,
@@ -142,13 +156,7 @@ def main(debug: bool) -> None:
               help="Serve this many sequences instead: random prompts of up to --tokens tokens "
                    "in one packed prefill, --decode-steps batched decodes and one batched "
                    "verify of --k rows (3 if 0), each sequence checked.")
-@click.option("--tp", "tp", type=click.IntRange(1), default=1, show_default=True,
-              help="Tensor parallel ranks: the layer's heads split over N ranks, their outputs "
-                   "summed (num_heads must divide by N).")
-@click.option("--tp-mode", type=click.Choice(TP_MODE_CHOICES), default="auto", show_default=True,
-              help="How --tp N runs: nccl (one process a GPU, an NCCL all-reduce), in-turn (the "
-                   "N ranks one after the other on one device) or auto (in-turn on the host "
-                   "backend or one GPU, else nccl).")
+@_tp_options("")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
               force, seed, dump_dir, batch, tp, tp_mode, as_json) -> None:
@@ -474,13 +482,7 @@ def _parse_mix(text: str) -> list[tuple[int, int]]:
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
-@click.option("--tp", "tp", type=click.IntRange(1), default=1, show_default=True,
-              help="Tensor parallel ranks of decode / decode-k (the preset's heads must divide "
-                   "by N).")
-@click.option("--tp-mode", type=click.Choice(TP_MODE_CHOICES), default="auto", show_default=True,
-              help="How --tp N runs: nccl (one process a GPU), in-turn (the ranks one after the "
-                   "other on one GPU, timed with one rank alone) or auto (in-turn on one GPU, "
-                   "else nccl).")
+@_tp_options(" (bench: decode and decode-k; in-turn is timed with one rank alone too)")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, tp, tp_mode,
               as_json) -> None:

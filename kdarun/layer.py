@@ -52,6 +52,7 @@ class SeqRows:
     padded: tuple[tuple[int, int], ...]
 
     @staticmethod
+    @functools.cache  # built once a shape: batched decode asks every call
     def uniform(b: int, k: int) -> "SeqRows":
         """b sequences of k rows each, one after the other in every buffer (batched decode)."""
         r = tuple((i * k, (i + 1) * k) for i in range(b))
@@ -424,7 +425,7 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         raise KdaError("prefill_packed: the state pool was made for a different config")
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
-    _check_slots("slots", slots, pool, 0)
+    pool.check_slots(slots, "prefill_packed: slots")
     if checkpoint_every:
         if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
@@ -436,7 +437,7 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
         flat = [c for cs in checkpoint_slots for c in cs]
-        _check_slots("checkpoint_slots", flat, pool, -1)
+        pool.check_slots(flat, "prefill_packed: checkpoint_slots", skip=True)
         named = [c for c in flat if c >= 0]
         taken = set(named) & set(slots)
         if len(set(named)) != len(named) or taken:
@@ -485,16 +486,6 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
                     table, end - k, t_pad, pool, ws, out, stream, seqs)
         k = end
-
-
-def _check_slots(what: str, slots: Sequence[int], pool: KdaStatePool, low: int) -> None:
-    """Every entry an int in [low, pool.slots): the kernels index the pool with them unchecked."""
-    bad = [s for s in slots if isinstance(s, bool) or not isinstance(s, (int, np.integer))
-           or not low <= s < pool.slots]
-    if bad:
-        raise KdaError(f"prefill_packed: {what} must be ints in [{low}, {pool.slots}) (the "
-                       f"pool's slots{', -1 skipping one' if low < 0 else ''}), got {bad[:4]} "
-                       f"in {list(slots)[:16]}")
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,

@@ -8,7 +8,7 @@ that reads and writes no state), so a captured CUDA graph replays with new assig
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -37,12 +37,21 @@ class KdaStatePool(DeviceOwner):
         gpu.memset(self.recurrent, 0, self.slots * self.recurrent_nbytes, stream)
         gpu.memset(self.conv, 0, self.slots * self.conv_nbytes, stream)
 
+    def check_slots(self, slots: Sequence[int], what: str, skip: bool = False) -> None:
+        """Every entry a slot of this pool, an integer in [0, slots), or -1 where `skip`:
+        kernels index the pool with them unchecked."""
+        self._require_live(what)
+        low = -1 if skip else 0
+        bad = [s for s in slots if not isinstance(s, (int, np.integer)) or isinstance(s, bool)
+               or not low <= s < self.slots]
+        if bad:
+            raise KdaError(f"{what}: a slot must be an integer in [{low}, {self.slots})"
+                           f"{' (-1 skips one)' if skip else ''}, got {bad[0]!r}"
+                           f"{f' in {list(slots)[:16]}' if len(slots) > 1 else ''}")
+
     def _check(self, slot: int, what: str) -> int:
         self._require_live(what)
-        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or \
-                not 0 <= slot < self.slots:
-            raise KdaError(f"state pool {what}: slot must be an integer in [0, {self.slots}), "
-                           f"got {slot!r}")
+        self.check_slots([slot], f"state pool {what}")
         return int(slot)
 
     def recurrent_at(self, slot: int) -> DevicePtr:

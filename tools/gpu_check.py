@@ -39,6 +39,13 @@ def run_tests(extra: list[str]) -> dict:
             "seconds": round(time.time() - t0, 1)}
 
 
+def print_steps(what: str, times: dict[str, float], unit: str = "ms") -> None:
+    """One line of step times, under the benchmark row it breaks down."""
+    digits = 3 if unit == "ms" else 1
+    print(f"  {what}, {unit}: " + ", ".join(f"{n} {v:.{digits}f}" for n, v in times.items()),
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-tests", action="store_true")
@@ -109,8 +116,7 @@ def main() -> int:
                              f"{r.us:.1f} us, {100 * r.frac_copy:.0f}% of its memory floor"
                              f"{vs}"))
                 print(rows[-1], flush=True)
-                print("  each step (every layer in turn, graph-replayed), us: " + ", ".join(
-                    f"{n} {v:.1f}" for n, v in r.kernels_us.items()), flush=True)
+                print_steps("each step (every layer in turn, graph-replayed)", r.kernels_us, "us")
             if "varlen" in modes and preset == "kimi-linear-48b":
                 for r in bench.bench_varlen(gpu, preset, bench.parse_mix(args.mix), stream,
                                             fla=use_fla):
@@ -121,8 +127,7 @@ def main() -> int:
                                  f"prefill ({r.one_ms:.2f}); checkpoints every "
                                  f"{bench.CHECKPOINT_EVERY}: {r.ms_checkpoints / r.ms:.2f}x{vs}"))
                     print(rows[-1], flush=True)
-                    print("  each step of the packed table, ms: " + ", ".join(
-                        f"{n} {v:.3f}" for n, v in r.steps_ms.items()), flush=True)
+                    print_steps("each step of the packed table", r.steps_ms)
             if "prefill" not in modes:
                 continue
             for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
@@ -143,8 +148,7 @@ def main() -> int:
                                  f"{hopper_core:.3f} ms (walks {r.portable_walk_ms:.3f} / "
                                  f"{r.hopper_walk_ms:.3f} ms){vs}"))
                     print(rows[-1], flush=True)
-                print("  each step in the layer, ms: " + ", ".join(
-                    f"{n} {v:.3f}" for n, v in r.kernels_ms.items()), flush=True)
+                print_steps("each step in the layer", r.kernels_ms)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
     print("\n==== kdarun GPU check:", report["device"], "====")
