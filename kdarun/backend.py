@@ -89,10 +89,12 @@ class Graph(Protocol):
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """A launch's grid and block. A kernel's dynamic shared memory is not here: the kernel
-    source exports it as `<kernel>_smem`, and the CUDA backend launches with that."""
+    """A launch's grid and block, and its dynamic shared memory where it depends on the
+    launch: otherwise (None) the kernel source exports it as `<kernel>_smem` (for a kernel
+    sized per launch, the most any launch takes), and the CUDA backend launches with that."""
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    smem: int | None = None
 
 
 def kernels_dir() -> Path:

@@ -186,6 +186,11 @@ class CupyBackend(GpuBackend):
     def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:
         fn, smem = self._function(module, kernel)
+        if cfg.smem is not None:
+            if cfg.smem > smem:
+                raise KdaError(f"{kernel}: a launch asks for {cfg.smem} bytes of shared memory, "
+                               f"past the {smem} its source exports as {kernel}_smem")
+            smem = cfg.smem
         cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
         with self.stream_obj(stream):
             fn(cfg.grid, cfg.block, cargs, shared_mem=smem)

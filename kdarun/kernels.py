@@ -51,7 +51,6 @@ GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suff
 GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
 GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
-DECODE_BATCH_BLOCKS_PER_SM = 2  # kda_decode_batch blocks an SM holds (its __launch_bounds__)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
@@ -73,6 +72,27 @@ def arch_cc(arch: str) -> int:
     return int(arch[3:].rstrip("a"))
 
 
+def decode_batch_bulk(cc: int) -> bool:
+    """Whether kda_decode_batch stages its state rows in shared memory by bulk copies (the TMA
+    engine, sm_90 on) rather than loading them into registers: where an SM's shared memory
+    holds three blocks with a head's 64 KB of rows (D = 128), as on sm_90 and sm_100; the 99 KB
+    GPUs would hold one where registers hold two."""
+    return cc >= 90 and smem_per_block(cc) >= 3 * 64 * 1024
+
+
+def decode_batch_blocks_per_sm(cc: int) -> int:
+    """kda_decode_batch blocks an SM holds (its __launch_bounds__): three with bulk copies (a
+    block's registers no longer hold its rows), else two."""
+    return 3 if decode_batch_bulk(cc) else 2
+
+
+def decode_batch_smem(cc: int, head_dim: int, rows: int, nrows: int) -> int:
+    """kda_decode_batch's dynamic shared memory for a block of `rows` state rows and nrows
+    tokens: its rows (bulk builds), then six [nrows, D] fp32 arrays (recurrent.cu's
+    decode_batch_smem, which exports the largest)."""
+    return 4 * ((rows * head_dim if decode_batch_bulk(cc) else 0) + 6 * nrows * head_dim)
+
+
 def compile_defines(cc: int = 90) -> tuple[str, ...]:
     """The -D flags every build of kernels_cu/ for compute capability `cc` takes: the geometry
     above, the block's shared-memory limit there, and the facts of config.py the kernels share
@@ -86,7 +106,8 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
               "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_BATCH_BLOCKS_PER_SM": DECODE_BATCH_BLOCKS_PER_SM,
+              "DECODE_BATCH_BLOCKS_PER_SM": decode_batch_blocks_per_sm(cc),
+              "DECODE_BATCH_BULK": int(decode_batch_bulk(cc)),
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
               "PORTABLE_WALK_THREADS": PORTABLE_WALK_THREADS, "SEG_FIELDS": SEG_FIELDS,
               "SMEM_PER_BLOCK": smem_per_block(cc)}
@@ -384,7 +405,10 @@ class Glm5NextKdaKernels:
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        cfg = LaunchConfig((c.num_heads, self._batch_split(nseq), nseq), (2 * c.head_dim, 1, 1))
+        split = self._batch_split(nseq)
+        smem = decode_batch_smem(self.gpu.compute_capability, c.head_dim, c.head_dim // split,
+                                 nrows)
+        cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem)
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
@@ -395,7 +419,8 @@ class Glm5NextKdaKernels:
         """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
         while the launch would not fill the SMs once, so a small batch's state still streams
         through every SM (a state row's update does not depend on the block that owns it)."""
-        split, blocks = 1, self.gpu.sm_count * DECODE_BATCH_BLOCKS_PER_SM
+        split = 1
+        blocks = self.gpu.sm_count * decode_batch_blocks_per_sm(self.gpu.compute_capability)
         while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
             split *= 2
         return split

@@ -7,6 +7,7 @@
 // to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
 // decode and the stage dumps see the same operands.
 #include "norm.cuh"
+#include "sm90.cuh"
 
 #define ROWS_PER_WARP 8
 
@@ -218,14 +219,24 @@ __device__ __forceinline__ void decode_rows(
                                      nrows, nsnap, H, W, scale, eps);                           \
     }
 // Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
-// slice D / split.. of it (split = gridDim.y, a power of two up to DECODE_BATCH_MAX_SPLIT: small batches split a
-// head over more blocks, so the state still streams through the whole GPU). 2 D threads: each
-// first convolves q (threads < D) or k, then v or the decay, for all nrows tokens before any
-// state row moves, so the K tokens of a verify cost two barriers, not two a token; then each
-// of the D / 16 warps walks its 16 / split state rows through all tokens in registers. Every
-// value is formed by decode_rows' arithmetic in its order (the conv's taps, the L2 partial
-// sums a warp of 32 channels at a time, a state row's lane split and warp sums, the norm), so
-// a sequence's bits equal decode's and decode_k's whatever its batch and split.
+// slice D / split.. of it (split = gridDim.y, a power of two up to DECODE_BATCH_MAX_SPLIT: small
+// batches split a head over more blocks, so the state still streams through the whole GPU). 2 D
+// threads: each first convolves q (threads < D) or k, then v or the decay, for all nrows tokens
+// before any state row moves, so the K tokens of a verify cost two barriers, not two a token;
+// then each of the D / 16 warps walks its 16 / split state rows through all tokens. Every value
+// is formed by decode_rows' arithmetic in its order (the conv's taps, the L2 partial sums a warp
+// of 32 channels at a time, a state row's lane split and warp sums, the norm), so a sequence's
+// bits equal decode's and decode_k's whatever its batch and split.
+// The state rows are the launch's traffic. From sm_90 on (DECODE_BATCH_BULK) the TMA engine
+// moves a block's rows, one contiguous run, into shared memory and back: one instruction,
+// holding none of the SM's load slots, lands them while the block convolves, and three blocks
+// an SM keep the stream going while one computes. Below sm_90 each thread loads its warp's rows
+// into registers (two blocks an SM). The dynamic shared memory (decode_batch_smem): the rows
+// (bulk builds), then qs, ks, vs, gx, cs, ogs, [nrows][D] floats each.
+__host__ __device__ constexpr int decode_batch_smem(int D, int rows, int nrows) {
+    return (DECODE_BATCH_BULK ? rows * D : 0) * 4 + 6 * nrows * D * 4;
+}
+
 template <int D>
 __device__ __forceinline__ void decode_batch(
     const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
@@ -235,7 +246,7 @@ __device__ __forceinline__ void decode_batch(
     float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
     int* __restrict__ sync, int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
-    __shared__ __align__(16) float qs[R][D], ks[R][D], vs[R][D], gx[R][D], cs[R][D], ogs[R][D];
+    extern __shared__ __align__(16) float dyn[];
     __shared__ __align__(16) float nws[D];
     __shared__ float part[R][NW], bs[R];
     __shared__ bf16 tap_s[MAX_CONV_KERNEL - 1][2 * D];
@@ -247,12 +258,27 @@ __device__ __forceinline__ void decode_batch(
     const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
     const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
     const int row0 = slice * rows + warp * rpw;            // this warp's first state row
+    float* S = state + (u64)h * D * D + (u64)slice * rows * D;  // this block's rows
+    float* qs = dyn + (DECODE_BATCH_BULK ? rows * D : 0);
+    float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D;
+    float *cs = gx + nrows * D, *ogs = cs + nrows * D;
     // The loads that depend on nothing first, so the state rows' latency overlaps the conv's.
-    float* S = state + (u64)h * D * D;
+#if DECODE_BATCH_BULK
+    __shared__ u64 bar;
+    float* Ss = dyn;  // [rows][D]
+    const unsigned bytes = rows * D * 4;
+    if (tid == 0) {  // the other threads wait on bar after the conv's barriers
+        mbar_init(&bar, 1);
+        mbar_init_fence();
+        mbar_expect(&bar, bytes);
+        bulk_copy(Ss, S, bytes, &bar);
+    }
+#else
     float s[RPW][E];
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
-        if (r < rpw) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
+        if (r < rpw) ldv(s[r], S + (u64)(warp * rpw + r) * D + lane * E);
+#endif
     if (tid < nsnap) snap[tid] = snap_slots[tid];
     if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
     if (tid < D) nws[tid] = o_norm_w[tid];
@@ -272,10 +298,10 @@ __device__ __forceinline__ void decode_batch(
         if (mine_v) {
             const bf16 r = f2bf(conv_row(tv, wv, x[(u64)t * conv_dim + cv], W));
             conv_out[(u64)t * conv_dim + cv] = r;
-            vs[t][d] = bf2f(r);
+            vs[t * D + d] = bf2f(r);
         } else if (pair == 1) {
-            gx[t][d] = expf(gate[(u64)t * qkv + h * D + d]);
-            ogs[t][d] = bf2f(out_gate[(u64)t * qkv + h * D + d]);
+            gx[t * D + d] = expf(gate[(u64)t * qkv + h * D + d]);
+            ogs[t * D + d] = bf2f(out_gate[(u64)t * qkv + h * D + d]);
         }
         const int si = t < nsnap ? snap_slots[t] : -1;  // the conv state after this token
         if (si >= 0) {
@@ -296,16 +322,19 @@ __device__ __forceinline__ void decode_batch(
         for (int i = 0; i < D / 32; ++i) ss += part[t][pair * (D / 32) + i];
         const bf16 r = f2bf(ya[t] * (1.0f / sqrtf(ss + L2_NORM_EPS)));
         if (slice == 0) conv_out[(u64)t * conv_dim + ca] = r;
-        (pair == 0 ? qs : ks)[t][d] = bf2f(r);
+        (pair == 0 ? qs : ks)[t * D + d] = bf2f(r);
     }
     __syncthreads();
+#if DECODE_BATCH_BULK
+    mbar_wait(&bar, 0);
+#endif
     // The delta-rule step, token by token, on this warp's rows.
 #pragma unroll 1
     for (int t = 0; t < nrows; ++t) {
         float gv[E], kv[E], qv[E];
-        ldv(gv, gx[t] + lane * E);
-        ldv(kv, ks[t] + lane * E);
-        ldv(qv, qs[t] + lane * E);
+        ldv(gv, gx + t * D + lane * E);
+        ldv(kv, ks + t * D + lane * E);
+        ldv(qv, qs + t * D + lane * E);
 #pragma unroll
         for (int e = 0; e < E; ++e) qv[e] *= scale;
         const int si = t < nsnap ? snap[t] : -1;
@@ -314,17 +343,35 @@ __device__ __forceinline__ void decode_batch(
         for (int r = 0; r < RPW; ++r) {
             if (r >= rpw) break;
             const int j = row0 + r;
-            const float o = delta_row(s[r], gv, kv, qv, bs[t], vs[t][j]);
+#if DECODE_BATCH_BULK
+            float* at = Ss + (warp * rpw + r) * D + lane * E;
+            float sr[E];
+            ldv(sr, at);
+#else
+            float(&sr)[E] = s[r];
+#endif
+            const float o = delta_row(sr, gv, kv, qv, bs[t], vs[t * D + j]);
+#if DECODE_BATCH_BULK
+            stv(at, sr);
+#endif
             if (lane == 0) {
                 core[(u64)t * qkv + h * D + j] = o;
-                cs[t][j] = o;
+                cs[t * D + j] = o;
             }
-            if (si >= 0) stv(to + (u64)j * D + lane * E, s[r]);  // for a partial accept
+            if (si >= 0) stv(to + (u64)j * D + lane * E, sr);  // for a partial accept
         }
     }
+#if DECODE_BATCH_BULK
+    bulk_fence();
+    __syncthreads();
+    if (tid == 0) bulk_store(S, Ss, bytes);
+    auto leave = [&]() { if (tid == 0) bulk_wait_read(); };  // Ss is read before the block ends
+#else
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
-        if (r < rpw) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
+        if (r < rpw) stv(S + (u64)(warp * rpw + r) * D + lane * E, s[r]);
+    auto leave = [] {};
+#endif
     // The gated RMSNorm needs the head's D outputs: in this block's shared memory at split 1,
     // else the last of the head's blocks to finish (a counter, left at zero again) reads them
     // back. That block also stores the q / k conv state, which every block read at its start.
@@ -333,7 +380,7 @@ __device__ __forceinline__ void decode_batch(
         __syncthreads();
         if (tid == 0) last = atomicAdd(&sync[h], 1) == split - 1;
         __syncthreads();
-        if (!last) return;
+        if (!last) return leave();
         __threadfence();
         if (tid == 0) sync[h] = 0;
     } else {
@@ -343,15 +390,16 @@ __device__ __forceinline__ void decode_batch(
         const u64 o = (u64)t * qkv + h * D + lane * E;
         float v[E], og[E], nw[E];
         unsigned y[E / 2];
-        ldv(og, ogs[t] + lane * E);
+        ldv(og, ogs + t * D + lane * E);
         ldv(nw, nws + lane * E);
 #pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t][lane * E + e];
+        for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t * D + lane * E + e];
         gated_rms(v, nw, og, D, eps, y);
 #pragma unroll
         for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
     }
     for (int j = 0; j < W - 1; ++j) conv_state[(u64)j * conv_dim + ca] = tap_s[j][tid];
+    leave();
 }
 
 // A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the
@@ -381,3 +429,7 @@ KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
 KDA_DECODE_BATCH(64)
 KDA_DECODE_BATCH(128)
+extern "C" {  // the most a launch takes (split 1, MAX_DECODE_ROWS rows); a launch passes its own
+__constant__ int kda_decode_batch_d64_smem = decode_batch_smem(64, 64, MAX_DECODE_ROWS);
+__constant__ int kda_decode_batch_d128_smem = decode_batch_smem(128, 128, MAX_DECODE_ROWS);
+}

@@ -16,8 +16,10 @@ import pytest
 
 from kdarun.backend import kernels_dir
 from kdarun.host_kernels import HOST_KERNELS
+from kdarun.config import MAX_DECODE_ROWS
 from kdarun.kernels import (FAMILIES, SMEM_PER_BLOCK, SUPPORTED_ARCHS, THREADS, arch_cc,
-                            compile_defines)
+                            compile_defines, decode_batch_blocks_per_sm, decode_batch_bulk,
+                            decode_batch_smem)
 
 REGISTERS_PER_BLOCK = 64 * 1024  # 32-bit registers, every capability from 8.0 to 12.x
 REGISTERS_PER_THREAD = 255
@@ -79,3 +81,19 @@ def test_every_launch_fits_the_architecture(builds, arch):
             assert k["regs"] * k["threads"] <= REGISTERS_PER_BLOCK, (where, k)
             assert k["static"] <= STATIC_SMEM, (where, k)
             assert k["static"] + k["dynamic"] <= limit, (where, k, limit)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_batch_decode_shared_memory(builds, arch):
+    """kda_decode_batch's launches size their shared memory by kernels.decode_batch_smem, which
+    must agree with the largest the source exports; where it stages state rows by bulk copies,
+    a one-token launch's blocks fit an SM as many times as its __launch_bounds__ says (the
+    runtime reserves 1 KB a block)."""
+    cc = arch_cc(arch)
+    kernels = _kernels(*builds[arch, "recurrent"])
+    for d in (64, 128):
+        k = kernels[f"kda_decode_batch_d{d}"]
+        assert k["dynamic"] == decode_batch_smem(cc, d, d, MAX_DECODE_ROWS), (arch, d)
+        if decode_batch_bulk(cc):
+            block = k["static"] + decode_batch_smem(cc, d, d, 1) + 1024
+            assert decode_batch_blocks_per_sm(cc) * block <= SMEM_PER_BLOCK[cc] + 1024, (arch, d)

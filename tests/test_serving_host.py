@@ -56,7 +56,7 @@ def test_batch_split_fills_the_gpu_once(sm_count):
         pass
     Sized.sm_count = sm_count
     kn = Glm5NextKdaKernels(Sized(), cfg)
-    full = sm_count * kernels.DECODE_BATCH_BLOCKS_PER_SM
+    full = sm_count * kernels.decode_batch_blocks_per_sm(kn.gpu.compute_capability)
     for nseq in (1, 2, 3, 8, 64, 256):
         split = kn._batch_split(nseq)
         assert split & (split - 1) == 0 and split <= kernels.DECODE_BATCH_MAX_SPLIT
