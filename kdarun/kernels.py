@@ -88,9 +88,9 @@ def decode_batch_blocks_per_sm(cc: int) -> int:
 
 def decode_batch_smem(cc: int, head_dim: int, rows: int, nrows: int) -> int:
     """kda_decode_batch's dynamic shared memory for a block of `rows` state rows and nrows
-    tokens: its rows (bulk builds), then six [nrows, D] fp32 arrays (recurrent.cu's
+    tokens: its rows (bulk builds), then seven [nrows, D] words a token (recurrent.cu's
     decode_batch_smem, which exports the largest)."""
-    return 4 * ((rows * head_dim if decode_batch_bulk(cc) else 0) + 6 * nrows * head_dim)
+    return 4 * ((rows * head_dim if decode_batch_bulk(cc) else 0) + 7 * nrows * head_dim)
 
 
 def compile_defines(cc: int = 90) -> tuple[str, ...]:

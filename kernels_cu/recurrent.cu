@@ -71,29 +71,62 @@ __device__ __forceinline__ void conv_store(bf16* conv_state, const bf16 (&tap)[M
         if (j < W - 1) conv_state[(u64)j * conv_dim + c] = tap[j];
 }
 
-// decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
-// One state row's delta-rule step, a warp a row, E of its D columns a lane: decay, the row's
-// k.S, its update, then its output q.S. Decode and the batch run this one code, so a row's
-// bits do not depend on which kernel ran it.
-template <int E>
-__device__ __forceinline__ float delta_row(float (&s)[E], const float (&gv)[E],
-                                           const float (&kv)[E], const float (&qv)[E], float b,
-                                           float v) {
+// A state row lives in a group of L = D / ROW_E adjacent lanes, ROW_E of its columns a lane in
+// runs of 4: lane li of the group holds columns 4 L c + 4 li .. + 3 of run c, so that the
+// group's run c is 4 L contiguous words (conflict-free in shared memory, whole sectors in
+// global memory). A warp steps 32 / L rows at once, and a row's sums take log2(L) shuffles
+// where a warp a row took five: a sixth of the shuffles, a third of the instructions a row.
+constexpr int ROW_E = 8;
+template <int D>
+struct RowLanes {
+    static constexpr int L = D / ROW_E, P = 32 / L;  // lanes a row, rows a warp at once
+};
+template <int D>
+__device__ __forceinline__ void ldrow(float (&v)[ROW_E], const float* row, int li) {
+#pragma unroll
+    for (int c = 0; c < ROW_E / 4; ++c) {
+        const float4 x = *reinterpret_cast<const float4*>(row + 4 * RowLanes<D>::L * c + 4 * li);
+        v[4 * c] = x.x, v[4 * c + 1] = x.y, v[4 * c + 2] = x.z, v[4 * c + 3] = x.w;
+    }
+}
+template <int D>
+__device__ __forceinline__ void strow(float* row, const float (&v)[ROW_E], int li) {
+#pragma unroll
+    for (int c = 0; c < ROW_E / 4; ++c)
+        *reinterpret_cast<float4*>(row + 4 * RowLanes<D>::L * c + 4 * li) =
+            make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+}
+template <int L>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One state row's delta-rule step by its lane group (every lane of the warp must call it):
+// decay, the row's k.S, its update, then its output q.S. Decode and the batch run this one code
+// with the same lanes, so a row's bits do not depend on which kernel ran it.
+template <int L>
+__device__ __forceinline__ float delta_row(float (&s)[ROW_E], const float (&gv)[ROW_E],
+                                           const float (&kv)[ROW_E], const float (&qv)[ROW_E],
+                                           float b, float v) {
     float kS = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
+    for (int e = 0; e < ROW_E; ++e) {
         s[e] *= gv[e];
         kS = __fmaf_rn(s[e], kv[e], kS);
     }
-    const float bres = b * (v - warp_sum(kS));
+    const float bres = b * (v - group_sum<L>(kS));
     float o = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
+    for (int e = 0; e < ROW_E; ++e) {
         s[e] = __fmaf_rn(bres, kv[e], s[e]);
         o = __fmaf_rn(s[e], qv[e], o);
     }
-    return warp_sum(o);
+    return group_sum<L>(o);
 }
+
+// decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
 
 template <int D, int SPLIT>
 __device__ __forceinline__ void decode_rows(
@@ -105,6 +138,8 @@ __device__ __forceinline__ void decode_rows(
     int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
     constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
+    constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PW = ROWS_PER_WARP / P;  // PW: steps
+    static_assert(ROWS_PER_WARP % P == 0, "a warp's rows in whole steps");
     __shared__ __align__(16) float qs[D], ks[D], vs[D], gx[D], part[NW];
     __shared__ int last;
     const int h = blockIdx.x, slice = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -114,14 +149,15 @@ __device__ __forceinline__ void decode_rows(
     const bool mine_v = p == 2 && d / ROWS == slice;  // v channels: only this block's rows
     const bool owner = p < 2 ? slice == 0 : mine_v;   // writes this channel's conv outputs
     const int row0 = slice * ROWS + warp * ROWS_PER_WARP;  // this warp's first state row
+    const int li = lane % L, rl = lane / L;                  // this lane in its row's group
     // Every load that depends on nothing is issued first, so the state rows' latency overlaps
     // the conv's: this warp's rows of the state, then the taps of this thread's channel. Both
     // stay in registers for all nrows tokens and are written back once.
     float* S = state + (u64)h * D * D;
-    float s[ROWS_PER_WARP][E];
+    float s[PW][ROW_E];  // rows row0 + P p + rl
     if (warp < RW)
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) ldv(s[r], S + (u64)(row0 + r) * D + lane * E);
+        for (int p = 0; p < PW; ++p) ldrow<D>(s[p], S + (u64)(row0 + P * p + rl) * D, li);
     bf16 tap[MAX_CONV_KERNEL];
     float wt[MAX_CONV_KERNEL];
     if (p < 2 || mine_v) conv_load(tap, wt, conv_state, conv_w, c, conv_dim, W);
@@ -159,22 +195,23 @@ __device__ __forceinline__ void decode_rows(
         }
         __syncthreads();
         if (warp < RW) {
-            float gv[E], kv[E], qv[E];  // this lane's dimensions, the same for all its rows
-            ldv(gv, gx + lane * E);
-            ldv(kv, ks + lane * E);
-            ldv(qv, qs + lane * E);
+            float gv[ROW_E], kv[ROW_E], qv[ROW_E];  // this lane's columns, for all its rows
+            ldrow<D>(gv, gx, li);
+            ldrow<D>(kv, ks, li);
+            ldrow<D>(qv, qs, li);
 #pragma unroll
-            for (int e = 0; e < E; ++e) qv[e] *= scale;
+            for (int e = 0; e < ROW_E; ++e) qv[e] *= scale;
 #pragma unroll
-            for (int r = 0; r < ROWS_PER_WARP; ++r) {
-                const int j = row0 + r;
-                const float o = delta_row(s[r], gv, kv, qv, b, vs[j]);
-                if (lane == 0) core[(u64)row * qkv + h * D + j] = o;
+            for (int p = 0; p < PW; ++p) {
+                const int j = row0 + P * p + rl;
+                const float o = delta_row<L>(s[p], gv, kv, qv, b, vs[j]);
+                if (li == 0) core[(u64)row * qkv + h * D + j] = o;
             }
             if (row < nsnap)  // the state after this row, for a partial accept
 #pragma unroll
-                for (int r = 0; r < ROWS_PER_WARP; ++r)
-                    stv(snap_rec + ((u64)row * H + h) * D * D + (u64)(row0 + r) * D + lane * E, s[r]);
+                for (int p = 0; p < PW; ++p)
+                    strow<D>(snap_rec + ((u64)row * H + h) * D * D + (u64)(row0 + P * p + rl) * D,
+                             s[p], li);
         }
         if (row < nsnap && owner) conv_store(snap_conv + (u64)row * (W - 1) * conv_dim, tap, c, conv_dim, W);
         __syncthreads();  // the next row overwrites q, k, v and the decay in shared memory
@@ -204,7 +241,7 @@ __device__ __forceinline__ void decode_rows(
     }
     if (warp < RW)
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) stv(S + (u64)(row0 + r) * D + lane * E, s[r]);
+        for (int p = 0; p < PW; ++p) strow<D>(S + (u64)(row0 + P * p + rl) * D, s[p], li);
     if (mine_v) conv_store(conv_state, tap, c, conv_dim, W);
 }
 
@@ -228,13 +265,17 @@ __device__ __forceinline__ void decode_rows(
 // of 32 channels at a time, a state row's lane split and warp sums, the norm), so a sequence's
 // bits equal decode's and decode_k's whatever its batch and split.
 // The state rows are the launch's traffic. From sm_90 on (DECODE_BATCH_BULK) the TMA engine
-// moves a block's rows, one contiguous run, into shared memory and back: one instruction,
-// holding none of the SM's load slots, lands them while the block convolves, and three blocks
-// an SM keep the stream going while one computes. Below sm_90 each thread loads its warp's rows
-// into registers (two blocks an SM). The dynamic shared memory (decode_batch_smem): the rows
-// (bulk builds), then qs, ks, vs, gx, cs, ogs, [nrows][D] floats each.
+// moves a block's rows, one contiguous run, into shared memory: one instruction, holding none
+// of the SM's load slots, lands them while the block convolves, and three blocks an SM keep the
+// stream going while one computes; each row goes back to global memory from registers after its
+// last token. Below sm_90 each thread loads its warp's rows into registers (two blocks an SM).
+// Every token's inputs (this head's q, k, v projections, its decay and norm gate) arrive
+// together by cp.async, beside the taps, so a block waits on one round trip before its conv, not
+// one per dependent load. The dynamic shared memory (decode_batch_smem): the rows (bulk
+// builds); qs, ks, vs, gx, cs [nrows][D] fp32; the staged norm gate [nrows][D] and projections
+// [nrows][3 D] bf16.
 __host__ __device__ constexpr int decode_batch_smem(int D, int rows, int nrows) {
-    return (DECODE_BATCH_BULK ? rows * D : 0) * 4 + 6 * nrows * D * 4;
+    return ((DECODE_BATCH_BULK ? rows * D : 0) + 7 * nrows * D) * 4;
 }
 
 template <int D>
@@ -246,6 +287,8 @@ __device__ __forceinline__ void decode_batch(
     float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
     int* __restrict__ sync, int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
+    constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PR = RPW / P;  // PR: steps at split 1
+    constexpr int G = 2;  // steps a warp takes at once: independent chains of sums
     extern __shared__ __align__(16) float dyn[];
     __shared__ __align__(16) float nws[D];
     __shared__ float part[R][NW], bs[R];
@@ -258,27 +301,44 @@ __device__ __forceinline__ void decode_batch(
     const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
     const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
     const int row0 = slice * rows + warp * rpw;            // this warp's first state row
+    const int li = lane % L, rl = lane / L;                  // this lane in its row's group
     float* S = state + (u64)h * D * D + (u64)slice * rows * D;  // this block's rows
     float* qs = dyn + (DECODE_BATCH_BULK ? rows * D : 0);
-    float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D;
-    float *cs = gx + nrows * D, *ogs = cs + nrows * D;
+    float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D, *cs = gx + nrows * D;
+    bf16* ogs = reinterpret_cast<bf16*>(cs + nrows * D);  // [nrows][D]
+    bf16* xs = ogs + nrows * D;                           // [nrows][3 D]: q, k, v
     // The loads that depend on nothing first, so the state rows' latency overlaps the conv's.
 #if DECODE_BATCH_BULK
     __shared__ u64 bar;
     float* Ss = dyn;  // [rows][D]
-    const unsigned bytes = rows * D * 4;
     if (tid == 0) {  // the other threads wait on bar after the conv's barriers
+        const unsigned bytes = rows * D * 4;
         mbar_init(&bar, 1);
         mbar_init_fence();
         mbar_expect(&bar, bytes);
         bulk_copy(Ss, S, bytes, &bar);
     }
 #else
-    float s[RPW][E];
+    float s[PR][ROW_E] = {};  // rows warp rpw + P p + rl of the block's, where below rpw
 #pragma unroll
-    for (int r = 0; r < RPW; ++r)
-        if (r < rpw) ldv(s[r], S + (u64)(warp * rpw + r) * D + lane * E);
+    for (int p = 0; p < PR; ++p)
+        if (P * p + rl < rpw) ldrow<D>(s[p], S + (u64)(warp * rpw + P * p + rl) * D, li);
 #endif
+    {  // a token's 16-byte runs: 3 D / 8 of q, k, v; D / 4 of the decay; D / 8 of the norm gate
+        constexpr int XR = 3 * D / 8, GR = D / 4, OR = D / 8, RUNS = XR + GR + OR;
+        for (int i = tid; i < nrows * RUNS; i += 2 * D) {
+            const int t = i / RUNS, c = i % RUNS;
+            if (c < XR)
+                cp_async16(xs + t * 3 * D + 8 * c, x + (u64)t * conv_dim + (c / (D / 8)) * qkv +
+                                                       h * D + 8 * (c % (D / 8)));
+            else if (c < XR + GR)
+                cp_async16(gx + t * D + 4 * (c - XR), gate + (u64)t * qkv + h * D + 4 * (c - XR));
+            else
+                cp_async16(ogs + t * D + 8 * (c - XR - GR),
+                           out_gate + (u64)t * qkv + h * D + 8 * (c - XR - GR));
+        }
+        cp_commit();
+    }
     if (tid < nsnap) snap[tid] = snap_slots[tid];
     if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
     if (tid < D) nws[tid] = o_norm_w[tid];
@@ -286,24 +346,25 @@ __device__ __forceinline__ void decode_batch(
     float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
     conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
     if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
+    cp_wait<0>();
+    __syncthreads();
     // The conv of every token: q / k kept unnormalised in registers until the L2 partial sums
-    // of all tokens are in; v, the decay and the norm's gate straight to shared memory.
+    // of all tokens are in; v and the decay straight to shared memory.
     float ya[R];
 #pragma unroll
     for (int t = 0; t < R; ++t) {
         if (t >= nrows) break;
-        ya[t] = conv_row(ta, wa, x[(u64)t * conv_dim + ca], W);
+        ya[t] = conv_row(ta, wa, xs[t * 3 * D + pair * D + d], W);
         const float sq = warp_sum(ya[t] * ya[t]);
         if (lane == 0) part[t][warp] = sq;
         if (mine_v) {
-            const bf16 r = f2bf(conv_row(tv, wv, x[(u64)t * conv_dim + cv], W));
+            const bf16 r = f2bf(conv_row(tv, wv, xs[t * 3 * D + 2 * D + d], W));
             conv_out[(u64)t * conv_dim + cv] = r;
             vs[t * D + d] = bf2f(r);
         } else if (pair == 1) {
-            gx[t * D + d] = expf(gate[(u64)t * qkv + h * D + d]);
-            ogs[t * D + d] = bf2f(out_gate[(u64)t * qkv + h * D + d]);
+            gx[t * D + d] = expf(gx[t * D + d]);
         }
-        const int si = t < nsnap ? snap_slots[t] : -1;  // the conv state after this token
+        const int si = t < nsnap ? snap[t] : -1;  // the conv state after this token
         if (si >= 0) {
             bf16* to = conv_pool + (u64)si * (W - 1) * conv_dim;
             if (slice == 0) conv_store(to, ta, ca, conv_dim, W);
@@ -328,49 +389,60 @@ __device__ __forceinline__ void decode_batch(
 #if DECODE_BATCH_BULK
     mbar_wait(&bar, 0);
 #endif
-    // The delta-rule step, token by token, on this warp's rows.
+    // The delta-rule step, token by token, on this warp's rows, G steps at a time: their loads,
+    // then their steps (independent chains), then their stores. A step with any of the warp's
+    // rows runs in every lane (its sums shuffle across the warp); lanes past them hold zeros.
 #pragma unroll 1
     for (int t = 0; t < nrows; ++t) {
-        float gv[E], kv[E], qv[E];
-        ldv(gv, gx + t * D + lane * E);
-        ldv(kv, ks + t * D + lane * E);
-        ldv(qv, qs + t * D + lane * E);
+        float gv[ROW_E], kv[ROW_E], qv[ROW_E];
+        ldrow<D>(gv, gx + t * D, li);
+        ldrow<D>(kv, ks + t * D, li);
+        ldrow<D>(qv, qs + t * D, li);
 #pragma unroll
-        for (int e = 0; e < E; ++e) qv[e] *= scale;
+        for (int e = 0; e < ROW_E; ++e) qv[e] *= scale;
         const int si = t < nsnap ? snap[t] : -1;
         float* to = rec_pool + ((u64)si * H + h) * D * D;
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-            if (r >= rpw) break;
-            const int j = row0 + r;
+        for (int p0 = 0; p0 < PR; p0 += G) {
+            if (P * p0 >= rpw) break;
 #if DECODE_BATCH_BULK
-            float* at = Ss + (warp * rpw + r) * D + lane * E;
-            float sr[E];
-            ldv(sr, at);
+            float sg[G][ROW_E] = {};
+#pragma unroll
+            for (int p = 0; p < G; ++p)
+                if (P * (p0 + p) + rl < rpw)
+                    ldrow<D>(sg[p], Ss + (warp * rpw + P * (p0 + p) + rl) * D, li);
 #else
-            float(&sr)[E] = s[r];
+            float(&sg)[G][ROW_E] = *reinterpret_cast<float(*)[G][ROW_E]>(s[p0]);
 #endif
-            const float o = delta_row(sr, gv, kv, qv, bs[t], vs[t * D + j]);
-#if DECODE_BATCH_BULK
-            stv(at, sr);
-#endif
-            if (lane == 0) {
-                core[(u64)t * qkv + h * D + j] = o;
-                cs[t * D + j] = o;
+            float vr[G], o[G];
+#pragma unroll
+            for (int p = 0; p < G; ++p) {
+                const int r = P * (p0 + p) + rl;
+                vr[p] = r < rpw ? vs[t * D + row0 + r] : 0.0f;
             }
-            if (si >= 0) stv(to + (u64)j * D + lane * E, sr);  // for a partial accept
+#pragma unroll
+            for (int p = 0; p < G; ++p)
+                if (P * (p0 + p) < rpw) o[p] = delta_row<L>(sg[p], gv, kv, qv, bs[t], vr[p]);
+#pragma unroll
+            for (int p = 0; p < G; ++p) {
+                const int r = P * (p0 + p) + rl, j = row0 + r;
+                if (r >= rpw) continue;
+#if DECODE_BATCH_BULK  // the next token's row, or the final state
+                strow<D>(t + 1 < nrows ? Ss + (warp * rpw + r) * D : S + (u64)(warp * rpw + r) * D,
+                         sg[p], li);
+#endif
+                if (li == 0) {
+                    core[(u64)t * qkv + h * D + j] = o[p];
+                    cs[t * D + j] = o[p];
+                }
+                if (si >= 0) strow<D>(to + (u64)j * D, sg[p], li);  // for a partial accept
+            }
         }
     }
-#if DECODE_BATCH_BULK
-    bulk_fence();
-    __syncthreads();
-    if (tid == 0) bulk_store(S, Ss, bytes);
-    auto leave = [&]() { if (tid == 0) bulk_wait_read(); };  // Ss is read before the block ends
-#else
+#if !DECODE_BATCH_BULK
 #pragma unroll
-    for (int r = 0; r < RPW; ++r)
-        if (r < rpw) stv(S + (u64)(warp * rpw + r) * D + lane * E, s[r]);
-    auto leave = [] {};
+    for (int p = 0; p < PR; ++p)
+        if (P * p + rl < rpw) strow<D>(S + (u64)(warp * rpw + P * p + rl) * D, s[p], li);
 #endif
     // The gated RMSNorm needs the head's D outputs: in this block's shared memory at split 1,
     // else the last of the head's blocks to finish (a counter, left at zero again) reads them
@@ -380,7 +452,7 @@ __device__ __forceinline__ void decode_batch(
         __syncthreads();
         if (tid == 0) last = atomicAdd(&sync[h], 1) == split - 1;
         __syncthreads();
-        if (!last) return leave();
+        if (!last) return;
         __threadfence();
         if (tid == 0) sync[h] = 0;
     } else {
@@ -390,7 +462,8 @@ __device__ __forceinline__ void decode_batch(
         const u64 o = (u64)t * qkv + h * D + lane * E;
         float v[E], og[E], nw[E];
         unsigned y[E / 2];
-        ldv(og, ogs + t * D + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) og[e] = bf2f(ogs[t * D + lane * E + e]);
         ldv(nw, nws + lane * E);
 #pragma unroll
         for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t * D + lane * E + e];
@@ -399,7 +472,6 @@ __device__ __forceinline__ void decode_batch(
         for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
     }
     for (int j = 0; j < W - 1; ++j) conv_state[(u64)j * conv_dim + ca] = tap_s[j][tid];
-    leave();
 }
 
 // A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the

@@ -1,9 +1,9 @@
 // Hopper's asynchronous units: bulk copies (the TMA engine, sm_90 on: the chunk walk's operands,
 // the batch decode's state rows) completing on mbarriers, and warpgroup MMAs (sm_90a, the
 // walk). A warpgroup is four consecutive warps; warp w of it holds rows 16 w .. 16 w + 15 of
-// the m64 product. A comes from registers in
-// mma_bf16's A-fragment order per warp (so an accumulator's fragments feed the next product's
-// A without moving through shared memory); B comes from shared memory through a descriptor.
+// the m64 product. A comes from registers in mma_bf16's A-fragment order per warp (so an
+// accumulator's fragments feed the next product's A without moving through shared memory); B
+// comes from shared memory through a descriptor.
 // Built for sm_90 (CI's nvcc -arch=sm_90) the MMAs are absent: KDA_WGMMA is 0 and they trap;
 // the backend builds the kernels for sm_90a on such a GPU.
 #pragma once
@@ -58,22 +58,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
         ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-
-// The way back: bytes of shared memory to global by the TMA engine, in a bulk group. Threads'
-// plain stores to that shared memory must first be made visible to the engine (each writer's
-// bulk_fence, then a barrier); the block may leave only once the engine has read it all
-// (bulk_wait_read).
-__device__ __forceinline__ void bulk_fence() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                 "cp.async.bulk.commit_group;"
-                 ::"l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() {

@@ -19,20 +19,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="kimi-linear-48b")
-    ap.add_argument("--mode", choices=("prefill", "decode", "decode-k"), default="prefill")
+    ap.add_argument("--mode", choices=("prefill", "decode", "decode-k", "batch-decode"),
+                    default="prefill")
     ap.add_argument("--tokens", type=int, default=4096, help="prefill length, or K for decode-k")
+    ap.add_argument("--batch", type=int, default=64, help="sequences of batch-decode")
     ap.add_argument("--gate", choices=("softplus", "bounded"), default="bounded")
     args = ap.parse_args()
 
-    from kdarun import open_backend, synthetic
+    import numpy as np
+
+    from kdarun import KdaStatePool, open_backend, synthetic
     from kdarun.bench import random_layer
 
     gpu = open_backend("cuda")
     cfg = synthetic.preset_config(args.preset, args.gate)
-    rows = 1 if args.mode == "decode" else args.tokens
+    rows = {"decode": 1, "batch-decode": args.batch}.get(args.mode, args.tokens)
     layer, ws, state, h = random_layer(gpu, cfg, rows, 0)
+    if args.mode == "batch-decode":  # the sequences in shuffled slots of a pool
+        pool = KdaStatePool(gpu, cfg, rows, 0)
+        slots = gpu.upload(np.random.default_rng(0).permutation(rows).astype(np.int32), 0)
     for _ in range(3):
-        if args.mode == "prefill":
+        if args.mode == "batch-decode":
+            layer.decode_batch(gpu, h, rows, slots, pool, ws, 0)
+        elif args.mode == "prefill":
             layer.prefill(gpu, h, rows, state, ws, 0)
         elif args.mode == "decode":
             layer.decode(gpu, h, state, ws, 0)
