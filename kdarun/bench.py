@@ -361,6 +361,10 @@ class PrefillResult:
     tflops: float  # projection GEMMs only, over the whole layer time
     fla_ms: float | None = None
     fla_core_ms: float | None = None
+    # FlashKDA's forward (its whole core: gates, beta, L2 norms, the chunked recurrence; fp32
+    # state in and out) on the same shapes, where it is importable and applies (bounded gate,
+    # D = 128); kdarun's like for like is core_ms + the gate_beta step
+    flashkda_core_ms: float | None = None
     kernels_ms: dict | None = None  # each non-GEMM step of one prefill, timed in the layer
     # Where the layer runs the Hopper walk: both walks timed alone, in turn, on the operands
     # the layer's intra kernel left; the portable core is the layer's intra step plus its walk
@@ -378,9 +382,11 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                   gate: str = "bounded", fla: bool = False) -> list[PrefillResult]:
     """Prefill at each T: the layer, and the core, the GEMMs and each step inside it. With `fla`,
     fla's layer and its chunk_kda on the same shapes take turns with the layer rep by rep.
-    Where the layer runs the Hopper walk, the portable walk is timed beside it."""
+    Where the layer runs the Hopper walk, the portable walk is timed beside it; where FlashKDA
+    is importable and applies, its forward takes its turn too."""
     cfg = synthetic.preset_config(preset, gate)
     fla_timers = _fla_prefill_timers(cfg) if fla else None
+    flashkda_timer = _flashkda_timer(cfg) if flashkda_available() else None
     layer, ws, state, h = random_layer(gpu, cfg, max(tokens), stream)
     portable = (Glm5NextKdaKernels(gpu, cfg, core="portable")
                 if layer.kernels.core == "hopper" else None)
@@ -389,14 +395,18 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         reps = 30 if t <= 4096 else 10
         timers = [lambda: time_once(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream),
                                     stream)]
-        ms, *fla_ms = medians_in_turn(timers + (fla_timers(t) if fla_timers else []), reps, 3)
+        timers += fla_timers(t) if fla_timers else []
+        timers += [flashkda_timer(t)] if flashkda_timer else []
+        ms, *others = medians_in_turn(timers, reps, 3)
+        fla_ms = others[:2] if fla_timers else []
         table = layer.prefill_steps(h, t, state, ws)
         steps = step_medians(gpu, table, stream, reps, 3)
         core = steps["chunk_intra"] + steps["chunk_inter"]
         gemm = sum(steps[step.name] for step in table if step.gemm)
         kernels = {step.name: steps[step.name] for step in table if not step.gemm}
         r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
-                          prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels)
+                          prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
+                          flashkda_core_ms=others[-1] if flashkda_timer else None)
         if portable is not None:
             chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
             r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
@@ -576,6 +586,43 @@ def _fla_prefill_timers(cfg: Glm5NextKdaConfig) -> Callable[[int], list[Callable
                 chunk_kda(q, k, v, g, beta, **kw)
         return [lambda: _torch_time_once(run_layer), lambda: _torch_time_once(run_core)]
     return timers
+
+
+def flashkda_available() -> bool:
+    try:
+        import flash_kda  # noqa: F401
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _flashkda_timer(cfg: Glm5NextKdaConfig) -> Callable[[int], Callable[[], float]] | None:
+    """For T tokens: a timer of FlashKDA's forward on fresh random inputs of cfg's shapes (q and
+    k unit rows, as its own benchmark feeds them), fp32 state in and out; None where FlashKDA
+    does not apply (it has the bounded gate alone, and D = 128 alone)."""
+    if cfg.head_dim != 128 or cfg.gate_lower_bound is None:
+        return None
+    import flash_kda
+    import torch
+    H, D = cfg.num_heads, cfg.head_dim
+    a_log = torch.rand(H, dtype=torch.float32, device="cuda")
+    dt_bias = torch.rand(H, D, dtype=torch.float32, device="cuda")
+
+    def timer(t: int) -> Callable[[], float]:
+        q, k = (torch.nn.functional.normalize(torch.randn(1, t, H, D, device="cuda"), dim=-1)
+                .to(torch.bfloat16) for _ in range(2))
+        v, g = (torch.randn(1, t, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        beta = torch.randn(1, t, H, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(v)
+        s0 = torch.zeros(1, H, D, D, device="cuda", dtype=torch.float32)
+        s1 = torch.empty_like(s0)
+
+        def run() -> None:
+            flash_kda.fwd(q, k, v, g, beta, D ** -0.5, out, a_log, dt_bias,
+                          cfg.gate_lower_bound, initial_state=s0, final_state=s1)
+        return lambda: _torch_time_once(run)
+    return timer
 
 
 def _fla_varlen_timer(cfg: Glm5NextKdaConfig, n: int, t: int) -> Callable[[], float]:

@@ -195,8 +195,16 @@ class Glm5NextKdaKernels:
         self.gpu = gpu
         self.cfg = cfg
         self.core = core_path(gpu, core)
-        defines = compile_defines(gpu.compute_capability)
-        self.modules = {fam: gpu.load_module(fam, defines) for fam in FAMILIES}
+        self.use_build(gpu.compute_capability)
+
+    def use_build(self, cc: int) -> None:
+        """Loads every family as built for compute capability `cc` (its compile_defines: the
+        block's shared-memory limit, how the batch decode moves its state), compiled for this
+        GPU's own architecture, and sizes the launches for it. Construction takes the device's
+        own; the GPU tests run the builds of other GPUs here with it."""
+        self.cc = cc
+        defines = compile_defines(cc)
+        self.modules = {fam: self.gpu.load_module(fam, defines) for fam in FAMILIES}
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:
@@ -406,8 +414,7 @@ class Glm5NextKdaKernels:
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
         split = self._batch_split(nseq)
-        smem = decode_batch_smem(self.gpu.compute_capability, c.head_dim, c.head_dim // split,
-                                 nrows)
+        smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)
         cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem)
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
@@ -420,7 +427,7 @@ class Glm5NextKdaKernels:
         while the launch would not fill the SMs once, so a small batch's state still streams
         through every SM (a state row's update does not depend on the block that owns it)."""
         split = 1
-        blocks = self.gpu.sm_count * decode_batch_blocks_per_sm(self.gpu.compute_capability)
+        blocks = self.gpu.sm_count * decode_batch_blocks_per_sm(self.cc)
         while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
             split *= 2
         return split

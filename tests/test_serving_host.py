@@ -47,16 +47,21 @@ def test_front_end_batch_plan_covers_every_row(preset):
         assert (blocks - 1) * rows < n <= blocks * rows
 
 
+@pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("sm_count", [1, 16, 132])
-def test_batch_split_fills_the_gpu_once(sm_count):
+def test_batch_split_fills_the_gpu_once(sm_count, cc):
     """kda_decode_batch splits a head over a power of two of blocks, at most
-    DECODE_BATCH_MAX_SPLIT, the fewest that fill the SMs once (1 for large batches)."""
+    DECODE_BATCH_MAX_SPLIT, the fewest that fill the SMs once (1 for large batches), as many
+    blocks an SM as the build in use holds (use_build: three where it stages rows by bulk
+    copies, two where registers hold them)."""
     cfg = synthetic.preset_config("kimi-linear-48b")
     class Sized(type(open_backend("host", announce=False))):
         pass
     Sized.sm_count = sm_count
     kn = Glm5NextKdaKernels(Sized(), cfg)
-    full = sm_count * kernels.decode_batch_blocks_per_sm(kn.gpu.compute_capability)
+    kn.use_build(cc)
+    assert kn.cc == cc
+    full = sm_count * kernels.decode_batch_blocks_per_sm(cc)
     for nseq in (1, 2, 3, 8, 64, 256):
         split = kn._batch_split(nseq)
         assert split & (split - 1) == 0 and split <= kernels.DECODE_BATCH_MAX_SPLIT

@@ -139,6 +139,12 @@ def main() -> int:
                              f"{r.ms:.3f} ms, core {r.core_ms:.3f} ms, GEMMs {r.gemm_ms:.3f} ms"
                              f"{vs}"))
                 print(rows[-1], flush=True)
+                if r.flashkda_core_ms:  # like for like: FlashKDA computes its gates in its core
+                    mine = r.core_ms + r.kernels_ms["gate_beta"]
+                    rows.append((f"prefill {preset}", f"T={r.tokens} FlashKDA",
+                                 f"core + gate_beta {mine:.3f} ms, FlashKDA {r.flashkda_core_ms:.3f}"
+                                 f" ms ({mine / r.flashkda_core_ms:.2f}x FlashKDA's time)"))
+                    print(rows[-1], flush=True)
                 if r.portable_core_ms:  # both walks alone, each after the layer's intra step
                     hopper_core = r.kernels_ms["chunk_intra"] + r.hopper_walk_ms
                     vs = f", fla chunk_kda {f_core / r.portable_core_ms:.2f}x" if f_ms else ""

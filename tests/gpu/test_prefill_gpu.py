@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
 from kdarun.dtypes import BF16
-from kdarun.kernels import SMEM_PER_BLOCK, compile_defines
+from kdarun.kernels import SMEM_PER_BLOCK
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 
@@ -188,8 +188,7 @@ def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
     runs = []
     for cc in (cuda.compute_capability, min(SMEM_PER_BLOCK, key=SMEM_PER_BLOCK.get)):
         kn = env.layer.kernels
-        kn.modules.update({fam: cuda.load_module(fam, compile_defines(cc))
-                           for fam in ("chunk", "chunk_portable")})
+        kn.use_build(cc)
         assert max(cuda.shared_bytes(kn.modules[fam], f"{kernel}_d{D}") for fam, kernel in (
             ("chunk", "kda_chunk_intra"), ("chunk_portable", "kda_chunk_inter_portable"))
         ) <= SMEM_PER_BLOCK[cc]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kdarun import DevicePtr
+from kdarun.kernels import SMEM_PER_BLOCK, decode_batch_bulk
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
@@ -26,6 +27,21 @@ def test_decode_batch_bit_identical_to_decode(pair, B):
 def test_verify_batch_bit_identical_to_decode_k(pair, B, K):
     cu, _ = pair
     assert_batch_matches_single(cu, B, K, seed=200 + B, pad=3)
+
+
+@pytest.mark.parametrize("B, K", [(1, 1), (3, 1), (64, 1), (20, 4)])
+def test_register_build_of_the_batch_is_bit_identical(pair, B, K):
+    """kda_decode_batch as built where a block holds its state rows in registers (sm_80 to
+    sm_89, sm_120; this GPU's build stages them by bulk copies) runs here, bit-identical to
+    decode and decode_k built the same way."""
+    cu, _ = pair
+    kn = cu.layer.kernels
+    cc = min(c for c in SMEM_PER_BLOCK if not decode_batch_bulk(c))
+    kn.use_build(cc)
+    try:
+        assert_batch_matches_single(cu, B, K, seed=400 + B + K, pad=2 if K == 1 else 3)
+    finally:
+        kn.use_build(cu.gpu.compute_capability)
 
 
 def test_graph_replay_with_new_slot_tables_equals_eager(pair):
