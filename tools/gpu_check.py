@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Everything GPU in one run, for the device machine: the GPU tests, the decode, batched
-decode and verify, and prefill benchmarks (with fla alongside where importable) and a short
-summary table last.
+decode and verify, and prefill benchmarks (with fla alongside where importable, and FlashKDA's
+forward beside the prefill core where `flash_kda` imports) and a short summary table last.
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
         [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
