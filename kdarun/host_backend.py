@@ -159,7 +159,10 @@ class HostBackend(GpuBackend):
 
     def launch(self, module: dict, kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:
-        module[kernel](self, *args)
+        # int32 arguments (a CUDA int's 4 bytes) arrive as Python ints: a twin's byte offsets
+        # (slot x state bytes) would otherwise wrap in int32 past 2 GiB of pool, where the
+        # kernels compute in 64 bits
+        module[kernel](self, *(int(a) if isinstance(a, np.integer) else a for a in args))
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:

@@ -40,3 +40,19 @@ def test_open_backend():
         assert open_backend("auto", announce=False).name == "host"
         with pytest.raises(KdaError, match="no usable CUDA device"):
             open_backend("cuda")
+
+
+def test_host_launch_passes_int32_arguments_as_python_ints(host):
+    """The kernels' int arguments travel as np.int32 (4 bytes, for CUDA); the host twins get
+    Python ints, so a slot's byte offset (slot x state bytes) does not wrap past 2 GiB, as it
+    would in int32 arithmetic (a glm-5.3-flash pool from slot 512 on)."""
+    from kdarun.backend import LaunchConfig
+    from kdarun.host_kernels import _state_bytes
+    seen = []
+    module = {"k": lambda gpu, *args: seen.extend(args)}
+    host.launch(module, "k", LaunchConfig((1, 1, 1), (1, 1, 1)),
+                (np.int32(64), np.int32(4), np.float32(0.5)), 0)
+    H, W, scale = seen
+    assert type(H) is int and type(W) is int and type(scale) is np.float32
+    rec, _ = _state_bytes(H, 128, W)
+    assert 1024 * rec == 1024 * 64 * 128 * 128 * 4  # 4 GiB: past int32
