@@ -31,6 +31,10 @@ L2_NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + L2_NORM_EPS)
 # int32 fields of a packed prefill's segment table row (kernels_cu/segments.cuh):
 # chunk0, chunks, row0, rows, slot, init, every, ckpt
 SEG_FIELDS = 8
+# The fields a layer's buffers are shaped by: a state (recurrent [H, D, D], conv [W-1, 3 H D])
+# fits a layer whose STATE_FIELDS agree, a workspace one whose BUFFER_FIELDS agree.
+STATE_FIELDS = ("num_heads", "head_dim", "conv_kernel")
+BUFFER_FIELDS = ("hidden_size",) + STATE_FIELDS
 
 LAYOUTS = ("kimi_linear", "glm5_next")
 MODEL_TYPES = {"kimi_linear": "kimi_linear", "glm5_next": "glm5_next",
@@ -153,6 +157,14 @@ class Glm5NextKdaConfig:
         return math.ceil(t / CHUNK) * CHUNK
 
     # -- tensor parallel over heads ------------------------------------------------------------
+    def mismatch(self, other: "Glm5NextKdaConfig", fields: tuple[str, ...]) -> str | None:
+        """How `other` differs from this config in `fields` ("num_heads 32, not 2"), or None
+        where it agrees in all of them."""
+        for name in fields:
+            if getattr(other, name) != getattr(self, name):
+                return f"{name} {getattr(other, name)}, not {getattr(self, name)}"
+        return None
+
     def shard(self, tp_size: int) -> "Glm5NextKdaConfig":
         """The config one of `tp_size` ranks runs: H / tp_size heads, everything else as here
         (the low-rank gates' rank R = D and the hidden size do not shrink). Every per-rank

@@ -1,5 +1,6 @@
 """KdaError: the one exception kdarun raises for bad input or bad use; `check_int`, the one
-check of an integer argument; `format_bytes` for the sizes messages give. It sits at the
+check of an integer argument; `check_slot_tables`, the one check of a batch's slot tables;
+`format_bytes` for the sizes messages give. It sits at the
 bottom of the package and imports nothing of it, so every module may raise it."""
 
 from __future__ import annotations
@@ -29,6 +30,31 @@ def check_int(value: object, what: str, low: int | None = None,
                 f"an integer <= {high}"
         raise KdaError(f"{what} must be {want}, got {value!r}")
     return value
+
+
+def check_slot_tables(what: str, slots, snaps=None, nslots: int | None = None) -> None:
+    """A batched call's slot tables as its kernels will read them: slots [b] and snapshot slots
+    [b, k-1] (or None), integer arrays. A KdaError names the first problem: a slot that is
+    neither -1 (a padding row) nor in [0, nslots) (not checked where nslots is None), a slot
+    named twice, a snapshot slot named twice or equal to a slot of the batch (two writers of
+    one slot race on a GPU)."""
+    slots = [int(s) for s in slots]
+    snap = [int(s) for s in (snaps.ravel() if snaps is not None else ())]
+    for kind, table in (("slot", slots), ("snapshot slot", snap)):
+        for i, s in enumerate(table):
+            if s < -1 or (nslots is not None and s >= nslots):
+                within = f"[0, {nslots})" if nslots is not None else "the pool"
+                raise KdaError(f"{what}: {kind} {s} at entry {i} is neither -1 (skip) nor a "
+                               f"slot in {within}")
+    seen: dict[int, str] = {}
+    for kind, table in (("slot", slots), ("snapshot slot", snap)):
+        for i, s in enumerate(table):
+            if s < 0:
+                continue
+            if s in seen:
+                raise KdaError(f"{what}: pool slot {s} is named twice ({seen[s]} and {kind} "
+                               f"entry {i}); a slot may be written by one row of a batch only")
+            seen[s] = f"{kind} entry {i}"
 
 
 def format_bytes(n: int) -> str:

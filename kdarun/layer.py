@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from .backend import DevicePtr, GpuBackend
-from .config import CHUNK, MAX_DECODE_ROWS, Glm5NextKdaConfig
+from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
@@ -111,7 +111,9 @@ class Glm5NextKdaLayer:
                   seqs: SeqRows | None = None) -> None:
         """Enqueue `steps` in order for a call of t rows (`state` None where no step touches
         it; `seqs` where each sequence's rows are in a batched call); the stage hook, if any,
-        sees each public buffer a step writes right after it."""
+        sees each public buffer a step writes right after it. The workspace and the state
+        are checked to fit this layer before any step runs."""
+        self.check_fits(ws, state)
         for step in steps:
             step.run(stream)
             if self.stage_hook is not None:
@@ -119,6 +121,25 @@ class Glm5NextKdaLayer:
                     stage = self._stage(name, step.kernel, t, state, ws, seqs)
                     if stage is not None:
                         self.stage_hook(stage, gpu, stream)
+
+    def check_fits(self, ws: Glm5NextKdaWorkspace, state: KdaSeqState | None = None,
+                   pool: KdaStatePool | None = None) -> None:
+        """A KdaError unless `ws` (a Glm5NextKdaWorkspace), `state` (a KdaSeqState) and `pool`
+        (a KdaStatePool), where given, were made for a config of this layer's shapes
+        (`config.BUFFER_FIELDS`, `STATE_FIELDS`): another's would be read and written past
+        its ends."""
+        for name, obj, cls, fields in (("workspace", ws, Glm5NextKdaWorkspace, BUFFER_FIELDS),
+                                       ("state", state, KdaSeqState, STATE_FIELDS),
+                                       ("state pool", pool, KdaStatePool, STATE_FIELDS)):
+            if obj is None and name != "workspace":
+                continue
+            if not isinstance(obj, cls):
+                raise KdaError(f"layer {self.layer_idx}: the {name} must be a {cls.__name__}, "
+                               f"got {type(obj).__name__}")
+            diff = None if obj.cfg is self.cfg else self.cfg.mismatch(obj.cfg, fields)
+            if diff:
+                raise KdaError(f"layer {self.layer_idx}: the {name} was made for a config of "
+                               f"{diff} as this layer's")
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
                ws: Glm5NextKdaWorkspace, seqs: SeqRows | None = None) -> Stage | None:
@@ -268,9 +289,8 @@ class Glm5NextKdaLayer:
                      ws: Glm5NextKdaWorkspace) -> None:
         b = check_int(b, f"{what}: the batch", 1)
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
+        self.check_fits(ws, pool=pool)
         ws.check_tokens(b * k, what)
-        if pool.cfg != self.cfg:
-            raise KdaError(f"{what}: the state pool was made for a different config")
         if not isinstance(slots, DevicePtr) or slots.is_null:
             raise KdaError(f"{what}: slots must be a device pointer to int32 [{b}], got "
                            f"{slots!r}")
@@ -421,8 +441,7 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     if bounds[0] != 0 or min(lengths) < 1:
         raise KdaError(f"prefill_packed: cu_seqlens must start at 0 and rise by at least 1 a "
                        f"sequence, got {bounds}")
-    if pool.cfg != layer.cfg:
-        raise KdaError("prefill_packed: the state pool was made for a different config")
+    layer.check_fits(ws, pool=pool)
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
     pool.check_slots(slots, "prefill_packed: slots")

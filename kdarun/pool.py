@@ -15,7 +15,7 @@ import numpy as np
 from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
-from .errors import KdaError, check_int
+from .errors import KdaError, check_int, check_slot_tables
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
 
@@ -73,8 +73,36 @@ class KdaStatePool(DeviceOwner):
         """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises."""
         return self.state(slot).download(stream)
 
+    def check_tables(self, slots: DevicePtr, b: int, snapshot_slots: DevicePtr | None = None,
+                     k: int = 1, stream: int = 0) -> None:
+        """Check the device slot tables of a batched call (`decode_batch`: slots int32 [b];
+        `verify_batch`: with snapshot_slots int32 [b, k-1]) as its kernels will read them:
+        every entry -1 (a padding row, or a skipped snapshot) or a slot of this pool, and no
+        slot named twice across both tables (`errors.check_slot_tables`). The CUDA kernels read
+        the tables unchecked (a check there would copy them back and wait, which a captured
+        graph cannot): call this while developing, or on tables from code you do not trust.
+        Copies the tables back and synchronises."""
+        self._require_live("state pool check_tables")
+        b = check_int(b, "state pool check_tables: b", 1)
+        k = check_int(k, "state pool check_tables: k", 1)
+        for name, ptr in (("slots", slots), ("snapshot_slots", snapshot_slots)):
+            if ptr is not None and (not isinstance(ptr, DevicePtr) or ptr.is_null):
+                raise KdaError(f"state pool check_tables: {name} must be a device pointer, got "
+                               f"{ptr!r}")
+        table = self._gpu.download(slots, (b,), np.int32, stream)
+        snaps = (self._gpu.download(snapshot_slots, (b, k - 1), np.int32, stream)
+                 if snapshot_slots is not None and k > 1 else None)
+        check_slot_tables("state pool check_tables", table, snaps, self.slots)
+
     def zero(self, slots: Iterable[int], stream: int = 0) -> None:
-        """Zero the states of `slots`: new sequences start from there."""
+        """Zero the states of `slots` (a sequence of slots): new sequences start from there.
+        Every slot is checked before any is zeroed."""
+        try:
+            slots = list(slots)
+        except TypeError:
+            raise KdaError(f"state pool zero: slots must be a sequence of slots, got "
+                           f"{slots!r}") from None
+        self.check_slots(slots, "state pool zero")
         for s in slots:
             self._gpu.memset(self.recurrent_at(s), 0, self.recurrent_nbytes, stream)
             self._gpu.memset(self.conv_at(s), 0, self.conv_nbytes, stream)

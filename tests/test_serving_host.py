@@ -124,6 +124,87 @@ def test_pool_slots_and_errors(env):
                                env.ws, 0)
 
 
+@pytest.mark.parametrize("slots, snaps, pattern, twin", [
+    ([2, 2], None, r"pool slot 2 is named twice \(slot entry 0 and slot entry 1\)",
+     "kda_decode_batch: pool slot 2 is named twice"),
+    ([0, 6], None, r"slot 6 at entry 1 is neither -1 \(skip\) nor a slot in \[0, 6\)",
+     "runs past its allocation"),
+    ([0, -5], None, r"slot -5 at entry 1 is neither -1", None),  # a padding row to the kernels
+    ([0, 1], [[1], [3]], r"pool slot 1 is named twice \(slot entry 1 and snapshot slot entry 0\)",
+     "kda_decode_batch: pool slot 1 is named twice"),
+    ([0, 1], [[3], [3]], r"pool slot 3 is named twice \(snapshot slot entry 0 and snapshot",
+     "kda_decode_batch: pool slot 3 is named twice"),
+])
+def test_bad_slot_tables_are_refused_before_any_state_moves(env, slots, snaps, pattern, twin):
+    """pool.check_tables names a bad device slot table's first problem, and the host backend's
+    batched decode and verify refuse what would corrupt a slot before any slot's state changes
+    (the CUDA kernels read the tables unchecked: README)."""
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 6)
+    for s in range(6):
+        pool.upload(s, *env.warm_state(seed=60 + s))
+    before = [pool.download(s) for s in range(6)]
+    k = 1 if snaps is None else 2
+    table = gpu.upload(np.array(slots, np.int32))
+    snap_table = None if snaps is None else gpu.upload(np.array(snaps, np.int32))
+    with pytest.raises(KdaError, match="state pool check_tables: " + pattern):
+        pool.check_tables(table, len(slots), snap_table, k)
+    if twin is None:
+        return
+    h = gpu.upload(random_hidden(len(slots) * k, cfg.hidden_size, 61))
+    with pytest.raises(KdaError, match=twin):
+        if snaps is None:
+            env.layer.decode_batch(gpu, h, len(slots), table, pool, env.ws, 0)
+        else:
+            env.layer.verify_batch(gpu, h, len(slots), k, table, pool, env.ws, snap_table, 0)
+    for s in range(6):
+        for x, y in zip(before[s], pool.download(s)):
+            assert np.array_equal(bits(x), bits(y)), s
+
+
+def test_workspaces_states_and_pools_of_other_shapes_are_refused(env):
+    """A workspace, state or pool made for another layer shape is refused before any state
+    moves, naming the field; one of the same shapes from a config that differs elsewhere (the
+    stack's layer count) is taken."""
+    import dataclasses
+
+    from kdarun import Glm5NextKdaWorkspace, KdaSeqState
+    gpu, cfg, layer = env.gpu, env.cfg, env.layer
+    other = dataclasses.replace(cfg, num_heads=cfg.num_heads * 2)
+    h = gpu.upload(random_hidden(1, cfg.hidden_size, 63))
+    state = env.state(*env.warm_state(seed=64))
+    before = state.download()
+    ws2 = Glm5NextKdaWorkspace(gpu, other, 16)
+    with pytest.raises(KdaError, match=rf"layer \d+: the workspace was made for a config of "
+                                       rf"num_heads {2 * cfg.num_heads}, not {cfg.num_heads}"):
+        layer.decode(gpu, h, state, ws2, 0)
+    wrong = KdaSeqState(gpu, other)
+    with pytest.raises(KdaError, match="the state was made for a config of num_heads"):
+        layer.decode(gpu, h, wrong, env.ws, 0)
+    with pytest.raises(KdaError, match="the state pool must be a KdaStatePool, got KdaSeqState"):
+        layer.decode_batch(gpu, h, 1, gpu.upload(np.zeros(1, np.int32)), state, env.ws, 0)
+    with pytest.raises(KdaError, match="the state pool was made for a config of num_heads"):
+        layer.decode_batch(gpu, h, 1, gpu.upload(np.zeros(1, np.int32)),
+                           KdaStatePool(gpu, other, 1), env.ws, 0)
+    for x, y in zip(before, state.download()):
+        assert np.array_equal(bits(x), bits(y))
+    deeper = dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1,
+                                 kda_layers=tuple(cfg.kda_layers) + (cfg.num_hidden_layers,))
+    layer.decode_batch(gpu, h, 1, gpu.upload(np.zeros(1, np.int32)), KdaStatePool(gpu, deeper, 1),
+                       env.ws, 0)
+
+
+def test_pool_zero_checks_every_slot_first(env):
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 3)
+    pool.upload(1, *env.warm_state(seed=62))
+    with pytest.raises(KdaError, match=r"state pool zero: a slot must be an integer in \[0, 3\), got 99"):
+        pool.zero([1, 99])
+    assert pool.download(1)[0].any()  # slot 1 kept its state
+    with pytest.raises(KdaError, match="slots must be a sequence of slots, got 3"):
+        pool.zero(3)
+
+
 @pytest.fixture(scope="module")
 def wide(host, ckpts):
     """A workspace that holds the packs below in one window."""
