@@ -138,8 +138,9 @@ def main(debug: bool) -> None:
               help="Prefill tokens (default 100, or what --input holds beyond the decodes).")
 @click.option("--decode-steps", type=click.IntRange(0), default=4, show_default=True,
               help="Single-token decodes after the prefill.")
-@click.option("--k", "k", type=click.IntRange(0, MAX_DECODE_ROWS), default=0, show_default=True,
-              help="Tokens of one decode_k (speculative verify) after the decodes.")
+@click.option("--k", "k", type=click.IntRange(0, MAX_DECODE_ROWS), default=None,
+              help="Tokens of one decode_k (speculative verify) after the decodes (default 0); "
+                   "with --batch, draft tokens a sequence of its batched verify (default 3).")
 @click.option("--backend", type=click.Choice(["auto", "cuda", "host"]), default="auto",
               show_default=True,
               help="cuda (CuPy on a GPU), host (the NumPy twins) or auto (cuda where usable).")
@@ -198,13 +199,19 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             if input_path or output_path:
                 raise click.UsageError("--batch runs random prompts: it takes no --input and "
                                        "writes no --output")
+            tokens, k = 100 if tokens is None else tokens, 3 if k is None else k
+            if tokens < 1 or k < 1:
+                raise click.UsageError(f"--batch prefills prompts of 1 to --tokens tokens and "
+                                       f"verifies --k draft tokens a sequence: both need at "
+                                       f"least 1, got --tokens {tokens} --k {k}")
             run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
                        config=cfg.to_hf(), input="random",
-                       command=_repeat_command(layer_idx=layer_idx, tokens=tokens or 100,
-                                               k=k or 3, backend=gpu.name))
-            _layer_run_batch(gpu, ckpt_path, cfg, layer_idx, batch, tokens or 100,
-                             decode_steps, k or 3, seed, as_json, dump, run)
+                       command=_repeat_command(layer_idx=layer_idx, tokens=tokens, k=k,
+                                               backend=gpu.name))
+            _layer_run_batch(gpu, ckpt_path, cfg, layer_idx, batch, tokens, decode_steps, k,
+                             seed, as_json, dump, run)
             return
+        k = 0 if k is None else k
         hidden = read_hidden(input_path, cfg.hidden_size) if input_path else None
         if tokens is None:
             tokens = hidden.shape[0] - decode_steps - k if hidden is not None else 100

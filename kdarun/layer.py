@@ -432,8 +432,23 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     rows (and its padded chunks), a sequence longer than that in pieces carrying its state
     through its slot. Each sequence's rows and states are those of `prefill` on it alone, bit
     for bit, given the same GEMM outputs (a GEMM over more rows may round a row differently)."""
+    for name, ptr in (("hidden", hidden), ("out", out)):
+        if not isinstance(ptr, DevicePtr) or ptr.is_null:
+            raise KdaError(f"prefill_packed: {name} must be a device pointer, got {ptr!r}")
+    for name, seq in (("cu_seqlens", cu_seqlens), ("slots", slots),
+                      ("has_initial_state", has_initial_state)):
+        if isinstance(seq, (str, bytes, DevicePtr)) or not hasattr(seq, "__len__"):
+            raise KdaError(f"prefill_packed: {name} must be a host sequence (list, tuple or "
+                           f"array), got {seq!r}")
     n_seq = len(slots)
-    bounds = [int(c) for c in cu_seqlens]
+    bounds = [check_int(c, f"prefill_packed: cu_seqlens[{i}]", 0) for i, c in enumerate(cu_seqlens)]
+    bad = [f for f in has_initial_state if not isinstance(f, (bool, np.bool_))]
+    if bad:
+        raise KdaError(f"prefill_packed: has_initial_state must hold True or False, got {bad[0]!r}")
+    checkpoint_every = check_int(checkpoint_every, "prefill_packed: checkpoint_every", 0)
+    if checkpoint_slots is not None and not checkpoint_every:
+        raise KdaError("prefill_packed: checkpoint_slots given without checkpoint_every; pass "
+                       "both, or neither")
     if len(bounds) != n_seq + 1 or len(has_initial_state) != n_seq or n_seq < 1:
         raise KdaError(f"prefill_packed: need N >= 1 slots, N has_initial_state flags and N+1 "
                        f"cu_seqlens; got {n_seq}, {len(has_initial_state)}, {len(bounds)}")

@@ -6,6 +6,7 @@ import json
 
 import ml_dtypes
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file, save_file
 
@@ -102,3 +103,11 @@ def test_layer_run_batch_takes_no_input_or_output(tmp_path):
                                   str(tmp_path / "o.npy")])
     assert r.exit_code == 2 and "--batch runs random prompts" in r.output
     assert not (tmp_path / "o.npy").exists()
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--k"])
+def test_layer_run_batch_refuses_zero_tokens_or_drafts(flag):
+    """--batch prefills prompts of 1 to --tokens tokens and verifies --k drafts a sequence: 0
+    of either is a usage error, not the default put in its place."""
+    r = CliRunner().invoke(main, ["layer-run", "--batch", "2", "--backend", "host", flag, "0"])
+    assert r.exit_code == 2 and "both need at least 1" in r.output and f"{flag} 0" in r.output

@@ -240,6 +240,16 @@ def test_prefill_packed_refuses_bad_packs(env):
         env.layer, gpu, h, cu, slots, init, pool, env.ws, out, 0, **kw)
     with pytest.raises(KdaError, match="start at 0 and rise"):
         call([0, 4, 4, 10], [0, 1, 2], [False] * 3)
+    with pytest.raises(KdaError, match=r"cu_seqlens\[1\] must be a non-negative integer, got 4.9"):
+        call([0, 4.9, 10], [0, 1], [False] * 2)
+    with pytest.raises(KdaError, match="has_initial_state must hold True or False, got 'False'"):
+        call([0, 4, 10], [0, 1], ["False", "False"])
+    with pytest.raises(KdaError, match="checkpoint_slots given without checkpoint_every"):
+        call([0, 4, 10], [0, 1], [False] * 2, checkpoint_slots=[[2], [3]])
+    with pytest.raises(KdaError, match="slots must be a host sequence"):
+        call([0, 4, 10], gpu.upload(np.array([0, 1], np.int32)), [False] * 2)
+    with pytest.raises(KdaError, match="out must be a device pointer, got None"):
+        prefill_packed(env.layer, gpu, h, [0, 4, 10], [0, 1], [False] * 2, pool, env.ws, None, 0)
     with pytest.raises(KdaError, match="N\\+1 cu_seqlens"):
         call([0, 10], [0, 1], [False, False])
     with pytest.raises(KdaError, match="a slot of its own"):
