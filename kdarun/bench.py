@@ -365,6 +365,7 @@ class PrefillResult:
     # state in and out) on the same shapes, where it is importable and applies (bounded gate,
     # D = 128); kdarun's like for like is core_ms + the gate_beta step
     flashkda_core_ms: float | None = None
+    core_gate_ms: float | None = None  # core_ms + the gate_beta step: FlashKDA's like for like
     kernels_ms: dict | None = None  # each non-GEMM step of one prefill, timed in the layer
     # Where the layer runs the Hopper walk: both walks timed alone, in turn, on the operands
     # the layer's intra kernel left; the portable core is the layer's intra step plus its walk
@@ -379,14 +380,15 @@ def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
 
 
 def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
-                  gate: str = "bounded", fla: bool = False) -> list[PrefillResult]:
+                  gate: str = "bounded", fla: bool = False,
+                  flashkda: bool = True) -> list[PrefillResult]:
     """Prefill at each T: the layer, and the core, the GEMMs and each step inside it. With `fla`,
     fla's layer and its chunk_kda on the same shapes take turns with the layer rep by rep.
     Where the layer runs the Hopper walk, the portable walk is timed beside it; where FlashKDA
-    is importable and applies, its forward takes its turn too."""
+    is importable and applies (and `flashkda`), its forward takes its turn too."""
     cfg = synthetic.preset_config(preset, gate)
     fla_timers = _fla_prefill_timers(cfg) if fla else None
-    flashkda_timer = _flashkda_timer(cfg) if flashkda_available() else None
+    flashkda_timer = _flashkda_timer(cfg) if flashkda and flashkda_available() else None
     layer, ws, state, h = random_layer(gpu, cfg, max(tokens), stream)
     portable = (Glm5NextKdaKernels(gpu, cfg, core="portable")
                 if layer.kernels.core == "hopper" else None)
@@ -406,7 +408,8 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
         kernels = {step.name: steps[step.name] for step in table if not step.gemm}
         r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                           prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
-                          flashkda_core_ms=others[-1] if flashkda_timer else None)
+                          flashkda_core_ms=others[-1] if flashkda_timer else None,
+                          core_gate_ms=core + steps["gate_beta"])
         if portable is not None:
             chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
             r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(

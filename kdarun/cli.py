@@ -489,9 +489,12 @@ def _parse_mix(text: str) -> list[tuple[int, int]]:
 @click.option("--fla/--no-fla", "with_fla", default=True, show_default=True,
               help="Also time fla's KimiDeltaAttention where it is importable (prefill: "
                    "in turn with kdarun's layer, rep by rep).")
+@click.option("--flashkda/--no-flashkda", "with_flashkda", default=True, show_default=True,
+              help="Prefill: also time FlashKDA's forward (bounded gate, D = 128) where "
+                   "flash_kda is importable, beside the core and gate (vs_flashkda).")
 @_tp_options(" (bench: decode and decode-k; in-turn is timed with one rank alone too)")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, tp, tp_mode,
+def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, with_flashkda, tp, tp_mode,
               as_json) -> None:
     """Time decode, decode_k, batched decode or verify, packed (varlen) prefill or prefill on
     random weights and inputs (CUDA only); decode and decode_k also tensor parallel."""
@@ -516,10 +519,14 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, tp, tp_mode,
     stream = gpu.create_stream()
     ceil = bench.measure_ceilings(gpu, stream)
     use_fla = with_fla and bench.fla_available()
+    use_flashkda = with_flashkda and bench.flashkda_available()
     rows: list[dict] = []
     if mode == "prefill":
-        for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
-            rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})
+        for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla,
+                                     flashkda=use_flashkda):
+            rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None,
+                                   "vs_flashkda": r.flashkda_core_ms / r.core_gate_ms
+                                   if r.flashkda_core_ms else None})
     elif mode == "varlen":
         for r in bench.bench_varlen(gpu, preset, mix, stream, fla=use_fla):
             rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None})

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend, LaunchConfig
+from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig
 from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_FIELDS,
                      Glm5NextKdaConfig)
 from .dtypes import BF16, F32
@@ -201,10 +201,17 @@ class Glm5NextKdaKernels:
         """Loads every family as built for compute capability `cc` (its compile_defines: the
         block's shared-memory limit, how the batch decode moves its state), compiled for this
         GPU's own architecture, and sizes the launches for it. Construction takes the device's
-        own; the GPU tests run the builds of other GPUs here with it."""
-        self.cc = cc
+        own; the GPU tests run the builds of other GPUs here with it. A build for a higher
+        capability than the device's may use instructions it lacks, and is refused; the
+        launches are sized for `cc` only once every family has loaded."""
+        own = self.gpu.compute_capability
+        if not isinstance(cc, int) or isinstance(cc, bool) or not MIN_CC <= cc <= own:
+            raise KdaError(f"use_build: a build for compute capability {cc!r} cannot run on "
+                           f"{self.gpu.device_name} (capability {own}); need an integer in "
+                           f"[{MIN_CC}, {own}]")
         defines = compile_defines(cc)
-        self.modules = {fam: self.gpu.load_module(fam, defines) for fam in FAMILIES}
+        modules = {fam: self.gpu.load_module(fam, defines) for fam in FAMILIES}
+        self.cc, self.modules = cc, modules
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:

@@ -61,6 +61,11 @@ def test_batch_split_fills_the_gpu_once(sm_count, cc):
     kn = Glm5NextKdaKernels(Sized(), cfg)
     kn.use_build(cc)
     assert kn.cc == cc
+    for bad in (100, 70, 90.0):  # past the device's own (the host stands in for 9.0), too old
+        with pytest.raises(KdaError, match=f"use_build: a build for compute capability {bad!r} "
+                                           "cannot run on"):
+            kn.use_build(bad)
+    assert kn.cc == cc
     full = sm_count * kernels.decode_batch_blocks_per_sm(cc)
     for nseq in (1, 2, 3, 8, 64, 256):
         split = kn._batch_split(nseq)

@@ -5,7 +5,7 @@ forward beside the prefill core where `flash_kda` imports) and a short summary t
 
     PYTHONPATH=. python3 tools/gpu_check.py [--skip-tests] [--skip-bench] [--quick]
         [--only decode|batch|varlen|prefill] [--batch 1,8,64] [--mix 1x4096,32x128]
-        [--tokens 1024,4096] [--presets glm-5.3-flash,kimi-linear-48b] [--no-fla]
+        [--tokens 1024,4096] [--presets glm-5.3-flash,kimi-linear-48b] [--no-fla] [--no-flashkda]
         [--pytest-args "-k prefill"]
 
 Installs nothing. The benchmarks run only if the tests pass. Full results go to
@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--presets", help="presets in the order to run them, comma-separated "
                     "(default kimi-linear-48b,glm-5.3-flash; --quick: kimi-linear-48b)")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
+    ap.add_argument("--no-flashkda", action="store_true",
+                    help="leave FlashKDA out of the prefill benchmark")
     args = ap.parse_args()
 
     from kdarun import bench, open_backend
@@ -130,7 +132,8 @@ def main() -> int:
                     print_steps("each step of the packed table", r.steps_ms)
             if "prefill" not in modes:
                 continue
-            for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla):
+            for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla,
+                                         flashkda=not args.no_flashkda):
                 f_ms, f_core = r.fla_ms, r.fla_core_ms
                 report["prefill"].append(vars(r))
                 vs = (f" | fla {f_ms:.2f} ms ({f_ms / r.ms:.2f}x), fla chunk_kda {f_core:.2f} ms "
@@ -140,7 +143,7 @@ def main() -> int:
                              f"{vs}"))
                 print(rows[-1], flush=True)
                 if r.flashkda_core_ms:  # like for like: FlashKDA computes its gates in its core
-                    mine = r.core_ms + r.kernels_ms["gate_beta"]
+                    mine = r.core_gate_ms
                     rows.append((f"prefill {preset}", f"T={r.tokens} FlashKDA",
                                  f"core + gate_beta {mine:.3f} ms, FlashKDA {r.flashkda_core_ms:.3f}"
                                  f" ms ({mine / r.flashkda_core_ms:.2f}x FlashKDA's time)"))
