@@ -97,3 +97,27 @@ def test_batch_decode_shared_memory(builds, arch):
         if decode_batch_bulk(cc):
             block = k["static"] + decode_batch_smem(cc, d, d, 1) + 1024
             assert decode_batch_blocks_per_sm(cc) * block <= SMEM_PER_BLOCK[cc] + 1024, (arch, d)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])  # rows in registers; by bulk copies
+def test_batch_decode_smem_formula_is_the_kernels(arch, tmp_path):
+    """The shared memory a kda_decode_batch launch passes (kernels.decode_batch_smem) is the
+    kernel's own layout (recurrent.cu's decode_batch_smem) at every head size, split and row
+    count: a probe built beside the kernels exports the kernel's values."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cc = arch_cc(arch)
+    cases = [(d, d // split, nrows) for d in (64, 128) for split in (1, 2, 4, 8)
+             for nrows in range(1, MAX_DECODE_ROWS + 1)]
+    probe = tmp_path / "probe.cu"
+    probe.write_text('#include "recurrent.cu"\nextern "C" __constant__ int probe_smem[] = {'
+                     + ", ".join(f"decode_batch_smem({d}, {r}, {n})" for d, r, n in cases)
+                     + "};\n")
+    p = subprocess.run([shutil.which("nvcc"), f"-arch={arch}", "-std=c++17", "-I",
+                        str(kernels_dir()), *compile_defines(cc), "-ptx", "-o",
+                        str(tmp_path / "probe.ptx"), str(probe)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    m = re.search(r"probe_smem\[(\d+)\] = \{([\d, ]*)\}", (tmp_path / "probe.ptx").read_text())
+    raw = [int(b) for b in m.group(2).split(",")] + [0] * int(m.group(1))
+    kernel = [int.from_bytes(bytes(raw[4 * i:4 * i + 4]), "little") for i in range(len(cases))]
+    assert kernel == [decode_batch_smem(cc, d, r, n) for d, r, n in cases]
