@@ -215,6 +215,18 @@ class GpuBackend(abc.ABC):
         """Whether the Hopper walk's warpgroup MMAs run here (the host twin needs none)."""
         return True
 
+    def check_region(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
+        """A KdaError naming `what` unless nbytes at ptr lie in one live allocation, where the
+        backend can tell (the host); a GPU pointer's extent is not known, and nothing is
+        checked there."""
+
+    @property
+    def reads_tables_free(self) -> bool:
+        """Whether reading a device table back costs nothing here (the host), so every
+        batched call may check its slot tables; on a GPU it would copy and wait, which a
+        captured graph cannot."""
+        return True
+
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
         """Allocate and copy a host array; returns its device address."""
         array = np.ascontiguousarray(array)

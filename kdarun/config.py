@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import KdaError
+from .errors import KdaError, check_int
 
 CHUNK = 64  # C: the chunk length of the WY prefill
 MAX_DECODE_ROWS = 8  # a sequence's rows a call at most (decode_k's K): the decode walk's bound
@@ -174,9 +174,8 @@ class Glm5NextKdaConfig:
 
     def check_tp(self, tp_rank: int, tp_size: int) -> None:
         """Refuse a rank or group size that cannot shard this config's heads evenly."""
-        for name, v, lo in (("tp_size", tp_size, 1), ("tp_rank", tp_rank, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise KdaError(f"tensor parallel: {name} must be an integer >= {lo}, got {v!r}")
+        tp_size = check_int(tp_size, "tensor parallel: tp_size", 1)
+        tp_rank = check_int(tp_rank, "tensor parallel: tp_rank", 0)
         if self.num_heads % tp_size:
             raise KdaError(f"tensor parallel: num_heads {self.num_heads} is not divisible by "
                            f"tp_size {tp_size}; every rank must own the same number of heads "

@@ -53,6 +53,10 @@ class CupyBackend(GpuBackend):
         return self._cc
 
     @property
+    def reads_tables_free(self) -> bool:
+        return False
+
+    @property
     def has_wgmma(self) -> bool:
         return self._cc == 90
 

@@ -102,6 +102,12 @@ class HostBackend(GpuBackend):
                            f"(base 0x{base:x}, size {buf.nbytes}, offset {off})")
         return buf[off:off + nbytes]
 
+    def check_region(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
+        try:
+            self.bytes_at(ptr, nbytes)
+        except KdaError as e:
+            raise KdaError(f"{what}: {e}") from None
+
     def view(self, ptr: DevicePtr, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
         """A writable NumPy view of `shape` elements of `dtype` at `ptr`."""
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)

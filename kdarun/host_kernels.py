@@ -11,7 +11,6 @@ import numpy as np
 
 from .config import CHUNK, L2_NORM_EPS, SEG_FIELDS
 from .dtypes import BF16, F32
-from .errors import check_slot_tables
 
 f32 = np.float32  # fp32 scalars, so NumPy keeps fp32 arithmetic
 
@@ -200,15 +199,6 @@ def _kda_decode_batch(D):
         rec, cst = _state_bytes(H, D, W)
         table = gpu.view(slots, nseq, np.int32)
         snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None
-        # The CUDA kernel reads the tables unchecked; here every slot is checked before any
-        # state moves (in the pool: each one's view is bounds-checked), so a bad table fails
-        # whole. Negative slots are padding, as in the kernel.
-        check_slot_tables("kda_decode_batch", np.maximum(table, -1),
-                          None if snaps is None else np.maximum(snaps, -1))
-        named = np.concatenate([table, snaps.ravel() if nsnap else []]).astype(np.int64)
-        for s in named[named >= 0].tolist():
-            gpu.view(rec_pool + s * rec, rec, np.uint8)
-            gpu.view(conv_pool + s * cst, cst, np.uint8)
         for b in range(nseq):
             slot = int(table[b])
             if slot < 0:  # a padding row

@@ -81,6 +81,16 @@ _WRITE = re.compile(r"(state\.)?(\w+)(?:\[(\d+)\])?")
 
 
 @functools.cache
+def _check_ptr(ptr: object, what: str) -> None:
+    if not isinstance(ptr, DevicePtr) or ptr.is_null:
+        raise KdaError(f"{what} must be a device pointer (DevicePtr), got {ptr!r}")
+
+
+def _check_state(state: object, what: str) -> None:
+    if not isinstance(state, KdaSeqState):
+        raise KdaError(f"{what}: the state must be a KdaSeqState, got {type(state).__name__}")
+
+
 def _rows_writes(row: int, n: int, nsnap: int) -> tuple[str, ...]:
     """What decode's walk over rows [row, row+n) writes: each row's outputs, and the states
     after the first nsnap rows and after the last (cached: decode asks every call)."""
@@ -140,6 +150,32 @@ class Glm5NextKdaLayer:
             if diff:
                 raise KdaError(f"layer {self.layer_idx}: the {name} was made for a config of "
                                f"{diff} as this layer's")
+
+    def check_snapshots(self, k: int, snapshots: Sequence[tuple[DevicePtr, DevicePtr]],
+                        state: KdaSeqState, what: str) -> list[tuple[DevicePtr, DevicePtr]]:
+        """decode_k's snapshot targets as a list, checked before anything runs: none or k-1
+        pairs (recurrent, conv) of device pointers, none of them inside the state's own
+        buffers (the state would be overwritten by an earlier row's)."""
+        if isinstance(snapshots, (str, bytes)) or not hasattr(snapshots, "__len__"):
+            raise KdaError(f"{what} snapshots must be a list of (recurrent, conv) device "
+                           f"pointer pairs, got {snapshots!r}")
+        snapshots = list(snapshots)
+        if len(snapshots) not in (0, k - 1):
+            raise KdaError(f"{what} pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
+        if not isinstance(state, KdaSeqState):
+            raise KdaError(f"{what} the state must be a KdaSeqState, got {type(state).__name__}")
+        own = [(state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)]
+        for i, pair in enumerate(snapshots):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+                    isinstance(p, DevicePtr) and not p.is_null for p in pair)):
+                raise KdaError(f"{what} snapshot {i} must be a (recurrent, conv) pair of device "
+                               f"pointers, got {pair!r}")
+            for p, n in zip(pair, (state.recurrent_nbytes, state.conv_nbytes)):
+                if any(p < a + m and a < p + n for a, m in own):
+                    raise KdaError(f"{what} snapshot {i} ({p!r}) lies in the state's own "
+                                   f"buffers, which the last row writes")
+                self.kernels.gpu.check_region(p, n, f"{what} snapshot {i}")
+        return snapshots
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
                ws: Glm5NextKdaWorkspace, seqs: SeqRows | None = None) -> Stage | None:
@@ -248,6 +284,8 @@ class Glm5NextKdaLayer:
                ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Single-token decode, carrying both states: front end, stateful row, back end. The
         row's conv fuses SiLU and L2, so q/k reach the recurrent step already normalised."""
+        _check_ptr(hidden, "decode: hidden")
+        _check_state(state, "decode")
         self.run_steps(gpu, self.decode_steps(hidden, 1, state, ws), 1, state, ws, stream)
 
     def decode_k(self, gpu: GpuBackend, hidden: DevicePtr, k: int, state: KdaSeqState,
@@ -259,9 +297,9 @@ class Glm5NextKdaLayer:
         the state on chip between rows. `snapshots[t] = (h_dst, conv_dst)` receives the state
         after row t; pass k-1 of them or none."""
         k = check_int(k, "decode_k: k", 1, MAX_DECODE_ROWS)
+        _check_ptr(hidden, "decode_k: hidden")
         ws.check_tokens(k, "decode_k")
-        if len(snapshots) not in (0, k - 1):
-            raise KdaError(f"decode_k: pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
+        snapshots = self.check_snapshots(k, snapshots, state, "decode_k:")
         self.run_steps(gpu, self.decode_steps(hidden, k, state, ws, snapshots), k, state, ws,
                        stream)
 
@@ -285,8 +323,13 @@ class Glm5NextKdaLayer:
                          snapshot_slots, ws.ptr("decode_sync"), b, k)),
                 self._o_proj_step(rows, ws)]
 
-    def _check_batch(self, what: str, b: int, k: int, slots: DevicePtr, pool: KdaStatePool,
-                     ws: Glm5NextKdaWorkspace) -> None:
+    def check_batch(self, gpu: GpuBackend, what: str, b: int, k: int, slots: DevicePtr,
+                    pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
+                    snapshot_slots: DevicePtr | None = None) -> None:
+        """A batched call's arguments, before anything runs: the counts, the workspace and
+        pool against this layer, the tables' pointers, and, on a backend where reading them
+        costs nothing (`GpuBackend.reads_tables_free`: the host), the tables themselves
+        (`KdaStatePool.check_tables`); the CUDA kernels read them unchecked."""
         b = check_int(b, f"{what}: the batch", 1)
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         self.check_fits(ws, pool=pool)
@@ -294,13 +337,20 @@ class Glm5NextKdaLayer:
         if not isinstance(slots, DevicePtr) or slots.is_null:
             raise KdaError(f"{what}: slots must be a device pointer to int32 [{b}], got "
                            f"{slots!r}")
+        if snapshot_slots is not None and (not isinstance(snapshot_slots, DevicePtr)
+                                           or snapshot_slots.is_null):
+            raise KdaError(f"{what}: snapshot_slots must be a device pointer to int32 "
+                           f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
+        if gpu.reads_tables_free:
+            pool.check_tables(slots, b, snapshot_slots, k, what=what)
 
     def decode_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, slots: DevicePtr,
                      pool: KdaStatePool, ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """One token for each of b sequences: hidden [b, hidden] bf16 -> ws.final_out [b,
         hidden], sequence i's states read from and written back to pool slot slots[i]. Each
         sequence's outputs and states are bit-identical to `decode` on the same state."""
-        self._check_batch("decode_batch", b, 1, slots, pool, ws)
+        _check_ptr(hidden, "decode_batch: hidden")
+        self.check_batch(gpu, "decode_batch", b, 1, slots, pool, ws)
         self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream,
                        SeqRows.uniform(b, 1))
 
@@ -311,11 +361,8 @@ class Glm5NextKdaLayer:
         bf16, sequence-major -> ws.final_out [b*k, hidden]. Each sequence is bit-identical to
         `decode_k` on the same state; snapshot_slots [b, k-1] int32 (or None) receive the
         state after each row but the last (-1: skipped)."""
-        self._check_batch("verify_batch", b, k, slots, pool, ws)
-        if snapshot_slots is not None and (not isinstance(snapshot_slots, DevicePtr)
-                                           or snapshot_slots.is_null):
-            raise KdaError(f"verify_batch: snapshot_slots must be a device pointer to int32 "
-                           f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
+        _check_ptr(hidden, "verify_batch: hidden")
+        self.check_batch(gpu, "verify_batch", b, k, slots, pool, ws, snapshot_slots)
         self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
                        b * k, None, ws, stream, SeqRows.uniform(b, k))
 
@@ -393,6 +440,8 @@ class Glm5NextKdaLayer:
                               stream: int) -> None:
         """`prefill` with the padded q/k/v tails primed to `pad_fill`. The chunk kernels
         guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
+        _check_ptr(hidden, "prefill: hidden")
+        _check_state(state, "prefill")
         ws.check_tokens(t, "prefill")
         self.run_steps(gpu, self.prefill_steps(hidden, t, state, ws, pad_fill), t, state, ws,
                        stream)
@@ -402,9 +451,19 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
                      state: KdaSeqState, ws: Glm5NextKdaWorkspace, out: DevicePtr,
                      stream: int) -> None:
     """Prefill a sequence longer than the workspace in windows of `ws.max_tokens()` tokens,
-    carrying the state; every window's final_out is copied to out [t, hidden] bf16."""
+    carrying the state; every window's final_out is copied to out [t, hidden] bf16. `hidden`
+    and `out` must hold t rows (the host backend checks it; on a GPU a pointer's size is not
+    known)."""
     t = check_int(t, "prefill_windowed: the token count", 1)
+    _check_ptr(hidden, "prefill_windowed: hidden")
+    _check_ptr(out, "prefill_windowed: out")
+    _check_state(state, "prefill_windowed")
     row = layer.cfg.hidden_size * BF16.itemsize
+    for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
+        if out < buf + n and buf < out + t * row:
+            raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
+    gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
+    gpu.check_region(out, t * row, "prefill_windowed: out")
     for start in range(0, t, ws.max_tokens()):
         n = min(ws.max_tokens(), t - start)
         layer.prefill(gpu, hidden + start * row, n, state, ws, stream)

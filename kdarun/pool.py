@@ -74,25 +74,24 @@ class KdaStatePool(DeviceOwner):
         return self.state(slot).download(stream)
 
     def check_tables(self, slots: DevicePtr, b: int, snapshot_slots: DevicePtr | None = None,
-                     k: int = 1, stream: int = 0) -> None:
+                     k: int = 1, stream: int = 0, what: str = "state pool check_tables") -> None:
         """Check the device slot tables of a batched call (`decode_batch`: slots int32 [b];
         `verify_batch`: with snapshot_slots int32 [b, k-1]) as its kernels will read them:
         every entry -1 (a padding row, or a skipped snapshot) or a slot of this pool, and no
         slot named twice across both tables (`errors.check_slot_tables`). The CUDA kernels read
         the tables unchecked (a check there would copy them back and wait, which a captured
         graph cannot): call this while developing, or on tables from code you do not trust.
-        Copies the tables back and synchronises."""
-        self._require_live("state pool check_tables")
-        b = check_int(b, "state pool check_tables: b", 1)
-        k = check_int(k, "state pool check_tables: k", 1)
+        Copies the tables back and synchronises. `what` names the call in the error."""
+        self._require_live(what)
+        b = check_int(b, f"{what}: b", 1)
+        k = check_int(k, f"{what}: k", 1)
         for name, ptr in (("slots", slots), ("snapshot_slots", snapshot_slots)):
             if ptr is not None and (not isinstance(ptr, DevicePtr) or ptr.is_null):
-                raise KdaError(f"state pool check_tables: {name} must be a device pointer, got "
-                               f"{ptr!r}")
+                raise KdaError(f"{what}: {name} must be a device pointer, got {ptr!r}")
         table = self._gpu.download(slots, (b,), np.int32, stream)
         snaps = (self._gpu.download(snapshot_slots, (b, k - 1), np.int32, stream)
                  if snapshot_slots is not None and k > 1 else None)
-        check_slot_tables("state pool check_tables", table, snaps, self.slots)
+        check_slot_tables(what, table, snaps, self.slots)
 
     def zero(self, slots: Iterable[int], stream: int = 0) -> None:
         """Zero the states of `slots` (a sequence of slots): new sequences start from there.

@@ -88,6 +88,14 @@ class TpGroup(DeviceOwner):
         self.cfg = self.ranks[0][0].cfg
         if any(layer.cfg != self.cfg for layer, _ in self.ranks):
             raise KdaError("tp group: every rank must run the same (rank) config")
+        idx = {layer.layer_idx for layer, _ in self.ranks}
+        if len(idx) != 1:
+            raise KdaError(f"tp group: every rank must hold the same layer, got layers "
+                           f"{[layer.layer_idx for layer, _ in self.ranks]}")
+        for n, part in ((0, "layer"), (1, "workspace")):
+            if len({id(r[n]) for r in self.ranks}) != len(self.ranks):
+                raise KdaError(f"tp group: a rank's {part} is given twice; each rank holds "
+                               f"its own")
         self.gpu, self.comm = gpu, comm
         self.kernels = self.ranks[0][0].kernels
         self.max_rows = check_int(max_rows if max_rows is not None else
@@ -109,6 +117,10 @@ class TpGroup(DeviceOwner):
         if [s.tp_rank for s in stacks] != want:
             raise KdaError(f"tp group: need the stacks of ranks {want}, in order, got "
                            f"{[s.tp_rank for s in stacks]}")
+        paths = {s.checkpoint.path.resolve() for s in stacks}
+        if len(paths) != 1:
+            raise KdaError(f"tp group: the ranks' stacks come from different checkpoints "
+                           f"{sorted(map(str, paths))}; a group's ranks share one")
         return cls(gpu, [(s.layer(layer_idx), s.workspace) for s in stacks], tp.pop(), comm,
                    max_rows)
 
@@ -123,10 +135,40 @@ class TpGroup(DeviceOwner):
         """The first held rank's final_out: the group's output after a call."""
         return self.ranks[0][1].final_out
 
-    def _check_per_rank(self, what: str, items: Sequence[Any]) -> None:
+    def _check_per_rank(self, what: str, items: Sequence[Any]) -> list:
+        """`items` (one a held rank) as a list; no state or pool given for two ranks."""
+        if isinstance(items, (str, bytes)) or not hasattr(items, "__len__"):
+            raise KdaError(f"tp group {what}: pass a list, one a held rank "
+                           f"({len(self.ranks)}), got {items!r}")
+        items = list(items)
         if len(items) != len(self.ranks):
             raise KdaError(f"tp group {what}: pass one a held rank ({len(self.ranks)}), got "
                            f"{len(items)}")
+        owned = [id(x) for x in items if isinstance(x, (KdaSeqState, KdaStatePool))]
+        if len(set(owned)) != len(owned):
+            raise KdaError(f"tp group {what}: the same object is given for two ranks; each "
+                           f"rank's is its own")
+        return items
+
+    def _check_ranks(self, what: str, rows: int, states: Sequence[Any] | None = None,
+                     pools: Sequence[Any] | None = None, windows: bool = False) -> int:
+        """Every held rank's call checked before any runs (so a bad argument for one rank
+        leaves every rank's state as it was): the rows, and each rank's workspace, state or
+        pool against its layer."""
+        self._require_live(f"tp group {what}")
+        rows = check_int(rows, f"tp group {what}: rows", 1)
+        for kind, items, cls in (("state", states, KdaSeqState), ("state pool", pools,
+                                                                   KdaStatePool)):
+            for i, x in enumerate(items or ()):
+                if not isinstance(x, cls):
+                    raise KdaError(f"tp group {what}: rank {i}'s {kind} must be a "
+                                   f"{cls.__name__}, got {type(x).__name__}")
+        for i, (layer, ws) in enumerate(self.ranks):
+            layer.check_fits(ws, states[i] if states is not None else None,
+                             pools[i] if pools is not None else None)
+            if not windows:
+                ws.check_tokens(rows, f"tp group {what}")
+        return rows
 
     def _summed(self, rows: int, call: Callable[[int, Glm5NextKdaLayer,
                                                  Glm5NextKdaWorkspace], None],
@@ -158,7 +200,8 @@ class TpGroup(DeviceOwner):
     def prefill(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
                 states: Sequence[KdaSeqState], stream: int) -> None:
         """`Glm5NextKdaLayer.prefill` of every held rank, then the sum."""
-        self._check_per_rank("prefill: states", states)
+        states = self._check_per_rank("prefill: states", states)
+        t = self._check_ranks("prefill", t, states)
         self._summed(t, lambda i, layer, ws: layer.prefill(gpu, hidden, t, states[i], ws, stream),
                      stream)
 
@@ -166,14 +209,16 @@ class TpGroup(DeviceOwner):
                          states: Sequence[KdaSeqState], out: DevicePtr, stream: int) -> None:
         """`layer.prefill_windowed` of every held rank into out [t, hidden] bf16 (t up to
         `max_rows`), then the sum."""
-        self._check_per_rank("prefill_windowed: states", states)
+        states = self._check_per_rank("prefill_windowed: states", states)
+        t = self._check_ranks("prefill_windowed", t, states, windows=True)
         self._summed(t, lambda i, layer, ws: prefill_windowed(layer, gpu, hidden, t, states[i],
                                                               ws, out, stream), stream, out)
 
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, states: Sequence[KdaSeqState],
                stream: int) -> None:
         """`Glm5NextKdaLayer.decode` of every held rank, then the sum."""
-        self._check_per_rank("decode: states", states)
+        states = self._check_per_rank("decode: states", states)
+        self._check_ranks("decode", 1, states)
         self._summed(1, lambda i, layer, ws: layer.decode(gpu, hidden, states[i], ws, stream),
                      stream)
 
@@ -184,9 +229,12 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.decode_k` of every held rank (`snapshots` None, or one list a
         rank of its k-1 snapshot buffers, each of the rank config's state sizes), then the
         sum."""
-        self._check_per_rank("decode_k: states", states)
-        snaps = snapshots if snapshots is not None else [()] * len(self.ranks)
-        self._check_per_rank("decode_k: snapshots", snaps)
+        states = self._check_per_rank("decode_k: states", states)
+        snaps = self._check_per_rank("decode_k: snapshots", snapshots if snapshots is not None
+                                     else [()] * len(self.ranks))
+        k = self._check_ranks("decode_k", k, states)
+        for i, (layer, _) in enumerate(self.ranks):
+            layer.check_snapshots(k, snaps[i], states[i], f"tp group decode_k: rank {i}'s")
         self._summed(k, lambda i, layer, ws: layer.decode_k(gpu, hidden, k, states[i], ws,
                                                             snaps[i], stream), stream)
 
@@ -194,7 +242,10 @@ class TpGroup(DeviceOwner):
                      pools: Sequence[KdaStatePool], stream: int) -> None:
         """`Glm5NextKdaLayer.decode_batch` of every held rank, a pool a rank (one slot table
         for all: a sequence has the same slot in every rank's pool), then the sum."""
-        self._check_per_rank("decode_batch: pools", pools)
+        pools = self._check_per_rank("decode_batch: pools", pools)
+        b = self._check_ranks("decode_batch", b, pools=pools)
+        for i, (layer, ws) in enumerate(self.ranks):
+            layer.check_batch(gpu, "tp group decode_batch", b, 1, slots, pools[i], ws)
         self._summed(b, lambda i, layer, ws: layer.decode_batch(gpu, hidden, b, slots, pools[i],
                                                                 ws, stream), stream)
 
@@ -202,7 +253,10 @@ class TpGroup(DeviceOwner):
                      slots: DevicePtr, pools: Sequence[KdaStatePool],
                      snapshot_slots: DevicePtr | None, stream: int) -> None:
         """`Glm5NextKdaLayer.verify_batch` of every held rank, a pool a rank, then the sum."""
-        self._check_per_rank("verify_batch: pools", pools)
+        pools = self._check_per_rank("verify_batch: pools", pools)
+        for i, (layer, ws) in enumerate(self.ranks):
+            layer.check_batch(gpu, "tp group verify_batch", b, k, slots, pools[i], ws,
+                              snapshot_slots)
         self._summed(b * k, lambda i, layer, ws: layer.verify_batch(
             gpu, hidden, b, k, slots, pools[i], ws, snapshot_slots, stream), stream)
 
@@ -213,7 +267,8 @@ class TpGroup(DeviceOwner):
                        checkpoint_slots: Sequence[Sequence[int]] | None = None) -> None:
         """`layer.prefill_packed` of every held rank into out [T_total, hidden] bf16, a pool
         a rank (one slot numbering for all), then the sum."""
-        self._check_per_rank("prefill_packed: pools", pools)
+        pools = self._check_per_rank("prefill_packed: pools", pools)
+        self._check_ranks("prefill_packed", 1, pools=pools, windows=True)
         if len(cu_seqlens) < 2:
             raise KdaError(f"prefill_packed: cu_seqlens must hold N+1 >= 2 row offsets, got "
                            f"{list(cu_seqlens)}")
@@ -223,8 +278,26 @@ class TpGroup(DeviceOwner):
 
 
 # -- the states of a group: a rank's share of a state, and the whole from the ranks' ---------
+def _check_rank(what: str, full: np.ndarray, ndim: int, groups: int, tp_rank: int,
+                tp_size: int) -> tuple[int, int]:
+    """(tp_rank, tp_size) checked against a recurrent ([H, Dv, Dk], ndim 3: the heads shared)
+    or conv state ([W-1, 3 qkv], ndim 2: each of `groups` = 3 q|k|v's channels shared)."""
+    if not isinstance(full, np.ndarray) or full.ndim != ndim:
+        raise KdaError(f"{what}: need a NumPy array of {ndim} dimensions, got "
+                       f"{getattr(full, 'shape', type(full).__name__)}")
+    tp_size = check_int(tp_size, f"{what}: tp_size", 1)
+    tp_rank = check_int(tp_rank, f"{what}: tp_rank", 0, tp_size - 1)
+    n = full.shape[0 if ndim == 3 else 1]
+    split = n // groups
+    if n % groups or split % tp_size:
+        raise KdaError(f"{what}: {n} {'heads' if ndim == 3 else 'channels (q|k|v)'} do not "
+                       f"split into {tp_size} equal ranks")
+    return tp_rank, tp_size
+
+
 def rank_recurrent(full: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
     """Rank `tp_rank`'s heads of a recurrent state [H, Dv, Dk]."""
+    tp_rank, tp_size = _check_rank("rank_recurrent", full, 3, 1, tp_rank, tp_size)
     h = full.shape[0] // tp_size
     return np.ascontiguousarray(full[tp_rank * h:(tp_rank + 1) * h])
 
@@ -232,20 +305,34 @@ def rank_recurrent(full: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
 def rank_conv(full: np.ndarray, tp_rank: int, tp_size: int) -> np.ndarray:
     """Rank `tp_rank`'s channels of a conv state [W-1, 3 qkv] (q|k|v): its heads' slice of
     each of q, k and v, [W-1, 3 qkv / tp_size]."""
+    tp_rank, tp_size = _check_rank("rank_conv", full, 2, 3, tp_rank, tp_size)
     w1, cd = full.shape
     q = cd // 3 // tp_size
     parts = full.reshape(w1, 3, tp_size, q)[:, :, tp_rank]
     return np.ascontiguousarray(parts.reshape(w1, 3 * q))
 
 
+def _check_parts(what: str, parts: Sequence[np.ndarray], ndim: int) -> list[np.ndarray]:
+    parts = list(parts)
+    if not parts or any(not isinstance(p, np.ndarray) or p.ndim != ndim
+                        or p.shape != parts[0].shape for p in parts):
+        raise KdaError(f"{what}: need one [{'H/tp, Dv, Dk' if ndim == 3 else 'W-1, 3 qkv/tp'}] "
+                       f"array a rank, all of one shape, got "
+                       f"{[getattr(p, 'shape', type(p).__name__) for p in parts]}")
+    return parts
+
+
 def join_recurrent(parts: Sequence[np.ndarray]) -> np.ndarray:
     """The recurrent state [H, Dv, Dk] from the ranks' [H/tp, Dv, Dk], in rank order."""
-    return np.concatenate(parts, axis=0)
+    return np.concatenate(_check_parts("join_recurrent", parts, 3), axis=0)
 
 
 def join_conv(parts: Sequence[np.ndarray]) -> np.ndarray:
     """The conv state [W-1, 3 qkv] (q|k|v) from the ranks' [W-1, 3 qkv/tp], in rank order."""
+    parts = _check_parts("join_conv", parts, 2)
     w1, cd = parts[0].shape
+    if cd % 3:
+        raise KdaError(f"join_conv: a rank's conv state has {cd} channels, not 3 equal q|k|v")
     split = [p.reshape(w1, 3, cd // 3) for p in parts]
     return np.concatenate(split, axis=2).reshape(w1, len(parts) * cd)
 

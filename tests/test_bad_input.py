@@ -949,8 +949,10 @@ def _cfg():
     (lambda gpu, c: RunPlan(4, 0, 9).check(), r"k must be an integer in \[0, 8\], got 9"),
     (lambda gpu, c: open_backend("tpu"), "expected 'auto', 'cuda' or 'host'"),
     (lambda gpu, c: gpu.alloc(0), "nbytes must be a positive integer"),
-    (lambda gpu, c: c.shard(0), "tp_size must be an integer >= 1, got 0"),
-    (lambda gpu, c: c.check_tp(-1, 2), "tp_rank must be an integer >= 0, got -1"),
+    (lambda gpu, c: c.shard(0), "tp_size must be a positive integer, got 0"),
+    (lambda gpu, c: c.check_tp(-1, 2), "tp_rank must be a non-negative integer, got -1"),
+    (lambda gpu, c: c.check_tp(np.int64(1), np.int64(2)) or c.check_tp(2, 2),
+     r"tp_rank must lie in \[0, 2\), got 2"),
     (lambda gpu, c: shard_tensors(c, {}, 4, 4), r"tp_rank must lie in \[0, 4\), got 4"),
     (lambda gpu, c: launch(64, print), r"--tp 64 over NCCL needs 64 GPUs"),
 ])
@@ -1068,3 +1070,40 @@ def test_a_write_the_system_refuses_leaves_the_target(tmp_path):
                                        r"device\)"):
         PendingFile(target, force=True).commit(full)
     assert os.listdir(tmp_path) == ["o.npy"] and target.read_bytes() == b"old"
+
+
+def test_single_sequence_calls_check_their_buffers_before_the_state_moves(bound):
+    """decode / decode_k / prefill_windowed refuse a missing state or hidden, snapshot targets
+    of the wrong kind or inside the state, and an out that is missing, inside the state or
+    too small, before the state moves."""
+    from kdarun.layer import prefill_windowed
+    gpu, stack, state = bound
+    layer, ws, cfg = stack.layer(0), stack.workspace, stack.cfg
+    state.upload(np.full(state.download()[0].shape, 0.25, np.float32), state.download()[1])
+    before = state.download()
+    h = gpu.upload(random_hidden(40, cfg.hidden_size, 7))
+    small = gpu.alloc(10 * cfg.hidden_size * 2)
+    other = KdaSeqState(gpu, cfg)
+    for call, pattern in [
+        (lambda: layer.decode(gpu, h, None, ws, 0), "decode: the state must be a KdaSeqState"),
+        (lambda: layer.decode(gpu, None, state, ws, 0), "decode: hidden must be a device pointer"),
+        (lambda: layer.decode_k(gpu, h, 2, state, ws, [other], 0),
+         r"snapshot 0 must be a \(recurrent, conv\) pair of device pointers"),
+        (lambda: layer.decode_k(gpu, h, 2, state, ws, None, 0), "snapshots must be a list"),
+        (lambda: layer.decode_k(gpu, h, 2, state, ws, [(state.recurrent, state.conv)], 0),
+         "snapshot 0 .* lies in the state's own buffers"),
+        (lambda: layer.decode_k(gpu, h, 2, state, ws, [(other.conv, other.recurrent)], 0),
+         "decode_k: snapshot 0: access of .* runs past its allocation"),
+        (lambda: prefill_windowed(layer, gpu, h, 40, state, ws, None, 0),
+         "prefill_windowed: out must be a device pointer"),
+        (lambda: prefill_windowed(layer, gpu, h, 40, state, ws, state.recurrent, 0),
+         "overlaps the state's own buffers"),
+        (lambda: prefill_windowed(layer, gpu, h, 40, state, ws, small, 0),
+         "prefill_windowed: out: access of .* runs past its allocation"),
+        (lambda: prefill_windowed(layer, gpu, h, 41, state, ws, small, 0),
+         "prefill_windowed: hidden: access of .* runs past its allocation"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+        for x, y in zip(before, state.download()):
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), pattern

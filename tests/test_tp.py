@@ -351,3 +351,56 @@ def test_layer_run_tp_on_the_host(host, ckpts, tmp_path):
                   RunPlan(40, 2, 3), 2)
     for name in ("final_out", "recurrent_state", "conv_state"):
         assert bits(got[name]).tobytes() == bits(getattr(want, name)).tobytes(), name
+
+
+def test_a_group_checks_every_rank_before_any_runs(host, ckpts, tmp_path):
+    """A bad argument for rank 1 is refused before rank 0 moves (a retry would step rank 0
+    twice); ranks of two checkpoints, a layer or workspace given twice, one state for two ranks
+    and snapshots in a state's own buffers are refused."""
+    stacks = [load_stack(host, ckpts["bounded"], 16, [1], tp_rank=r, tp_size=2) for r in range(2)]
+    group = TpGroup.of(host, stacks, 1)
+    h = host.upload(random_hidden(4, 256, 12))
+    states = [KdaSeqState(host, s.cfg) for s in stacks]
+    states[0].upload(*_warm(stacks[0].cfg.num_heads, 13, stacks[0].cfg.conv_dim,
+                            stacks[0].cfg.head_dim))
+    before = states[0].download()
+    whole = KdaSeqState(host, Checkpoint(ckpts["bounded"]).config)
+    for call, pattern in [
+        (lambda: group.decode(host, h, [states[0], whole], 0),
+         "layer 1: the state was made for a config of num_heads 4, not 2"),
+        (lambda: group.decode(host, h, [states[0], None], 0),
+         "rank 1.s state must be a KdaSeqState, got NoneType"),
+        (lambda: group.decode(host, h, [states[0], states[0]], 0), "the same object is given"),
+        (lambda: group.prefill(host, h, "5", states, 0), "rows must be a positive integer"),
+        (lambda: group.prefill(host, h, 40, states, 0), "40 tokens exceed the workspace"),
+        (lambda: group.decode_k(host, h, 2, states, [[], [(states[1].recurrent,
+                                                           states[1].conv)]], 0),
+         "rank 1's snapshot 0 .* lies in the state's own buffers"),
+        (lambda: group.decode_k(host, h, 2, states, [[("a", "b")], []], 0),
+         "pass k-1 = 1 snapshots or none, got 0|must be a \\(recurrent, conv\\) pair"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+        for x, y in zip(before, states[0].download()):
+            assert np.array_equal(bits(x), bits(y)), pattern
+    with pytest.raises(KdaError, match="a rank's layer is given twice"):
+        TpGroup(host, [(stacks[0].layer(1), stacks[0].workspace)] * 2, 2)
+    other = synthetic.write_checkpoint(tmp_path / "other", Checkpoint(ckpts["bounded"]).config,
+                                       seed=99)
+    foreign = load_stack(host, str(other), 16, [1], tp_rank=1, tp_size=2)
+    with pytest.raises(KdaError, match="come from different checkpoints"):
+        TpGroup.of(host, [stacks[0], foreign], 1)
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda f, c: rank_recurrent(f, 2, 2), r"tp_rank must be an integer in \[0, 1\], got 2"),
+    (lambda f, c: rank_recurrent(f, 0, 3), "4 heads do not split into 3 equal ranks"),
+    (lambda f, c: rank_recurrent(c, 0, 2), "need a NumPy array of 3 dimensions"),
+    (lambda f, c: rank_conv(c, 0, 3), r"96 channels \(q\|k\|v\) do not split into 3"),
+    (lambda f, c: join_recurrent([]), "need one .* array a rank"),
+    (lambda f, c: join_conv([c, c[:, :48]]), "all of one shape"),
+])
+def test_state_slices_refuse_bad_ranks(call, pattern):
+    full, conv = np.zeros((4, 8, 8), np.float32), np.zeros((3, 96), np.float32)
+    with pytest.raises(KdaError, match=pattern):
+        call(full, conv)
