@@ -186,7 +186,9 @@ def _check_manifest(path: Path, m: Any) -> Glm5NextKdaConfig:
         raise KdaError(f"dump {path}: format {m.get('format')!r}, this kdarun reads format "
                        f"{FORMAT} (re-run the dump with the command in its {MANIFEST})")
     seen = set()
-    for i, st in enumerate(need(m, "stages", list)):
+    if not need(m, "stages", list):
+        raise bad("stages", "at least one stage", [])
+    for i, st in enumerate(m["stages"]):
         for key, kind in _STAGE_FIELDS.items():
             need(st, key, kind, f"stages[{i}].")
         if not all(isinstance(n, int) and n >= 0 for n in st["shape"]):
@@ -421,15 +423,24 @@ def _check_unchanged(d: Dump, ckpt: Checkpoint) -> dict[str, np.ndarray]:
 
 
 def _check_same_run(a: Dump, b: Dump) -> None:
-    for field_ in ("config", "layer", "plan", "batch"):
+    kind = {True: "a serving (--batch) dump", False: "a single-sequence dump"}
+    if ("batch" in a.run) != ("batch" in b.run):
+        raise KdaError(f"dumps {a.path} and {b.path} are of different runs: "
+                       f"{kind['batch' in a.run]} against {kind['batch' in b.run]}")
+    if a.run["config"] != b.run["config"]:
+        raise KdaError(f"dumps {a.path} and {b.path} are of different runs: their configs "
+                       f"differ ({_config_change(a.run['config'], b.run['config'])})")
+    for field_ in ("layer", "plan", "batch"):
         if a.run.get(field_) != b.run.get(field_):
             raise KdaError(f"dumps {a.path} and {b.path} are of different runs: {field_} "
                            f"{a.run.get(field_)!r} vs {b.run.get(field_)!r}")
     wa, wb = a.manifest["fingerprint"]["weights"], b.manifest["fingerprint"]["weights"]
     if wa != wb:
+        ca, cb = a.run["checkpoint"], b.run["checkpoint"]
+        why = (f"they ran on different checkpoints ({ca} vs {cb})" if ca != cb
+               else "the checkpoint changed between them")
         raise KdaError(f"dumps {a.path} and {b.path} ran on different weights (layer "
-                       f"{a.run['layer']}'s digest {wa[:12]}... vs {wb[:12]}...): the "
-                       "checkpoint changed between them")
+                       f"{a.run['layer']}'s digest {wa[:12]}... vs {wb[:12]}...): {why}")
     if a.manifest["input_sha256"] != b.manifest["input_sha256"]:
         raise KdaError(f"dumps {a.path} and {b.path} were fed different inputs")
 
@@ -456,7 +467,14 @@ def compare_stages(dump: str | Path, against: str | Path | None = None,
         _check_same_run(d, o)
         expect = {k: o.tensors[k] for k in o.keys}
         label = str(o.path)
+        extra = sorted(set(o.keys) - set(d.keys))
+        if extra and not only:
+            raise KdaError(f"{label} holds stages {d.path} lacks ({extra[:4]}"
+                           f"{' ...' if len(extra) > 4 else ''}): the dumps do not cover the "
+                           f"same stages")
     keys = d.keys
+    if isinstance(only, str):
+        only = [only]
     if only:
         known = set(keys) | {k.split("/", 1)[1] for k in keys} | {_base(k.split("/", 1)[1])
                                                                      for k in keys}

@@ -141,6 +141,18 @@ def test_bad_use(dump, tmp_path):
         compare_stages(dump, other)
     r = cli("stages", dump)
     assert r.exit_code != 0 and "exactly one of --against OTHER_DIR or --reference" in r.output
+    assert [r.key for r in compare_stages(dump, only="final_out").rows][0] == "prefill/final_out"
+    empty = tmp_path / "empty"
+    shutil.copytree(dump, empty)
+    m = json.loads((empty / "manifest.json").read_text())
+    (empty / "manifest.json").write_text(json.dumps(m | {"stages": []}))
+    with pytest.raises(KdaError, match="stages must be at least one stage"):
+        compare_stages(empty)
+    fewer = tmp_path / "fewer"
+    shutil.copytree(dump, fewer)
+    (fewer / "manifest.json").write_text(json.dumps(m | {"stages": m["stages"][:3]}))
+    with pytest.raises(KdaError, match="holds stages .* lacks"):
+        compare_stages(fewer, dump)
 
 
 @pytest.fixture(scope="module")
@@ -187,5 +199,6 @@ def test_batch_dump_repeats_and_is_not_a_single_run(batch_dump, dump, tmp_path):
     assert a.keys == b.keys and a.run["batch"] == b.run["batch"]
     for k in a.keys:
         assert np.array_equal(a.tensors[k].view(np.uint8), b.tensors[k].view(np.uint8)), k
-    with pytest.raises(KdaError, match="different runs"):
+    with pytest.raises(KdaError, match="different runs: a serving \\(--batch\\) dump against a "
+                                       "single-sequence dump"):
         compare_stages(batch_dump, dump)
