@@ -21,7 +21,7 @@ from typing import Any, Callable
 import click
 
 from . import synthetic
-from .backends import open_backend
+from .backends import cuda_available, open_backend
 from .checkpoint import Checkpoint
 from .config import LAYOUTS, MAX_DECODE_ROWS
 from .errors import KdaError
@@ -504,6 +504,8 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, with_flashkd
         if mode not in ("decode", "decode-k"):
             raise click.UsageError(f"--tp times decode and decode-k; got --mode {mode}")
         synthetic.preset_config(preset).check_tp(0, tp)
+        if tp_mode == "auto" and not cuda_available():  # not "use in-turn", which fails too
+            open_backend("cuda", announce=False)  # the one "no usable CUDA device" refusal
         if _tp_run_mode(tp_mode, "cuda", tp) == "nccl":
             kk = 1 if mode == "decode" else k
             ranks = launch(tp, bench.bench_decode_rank, preset, kk, graph, 200)

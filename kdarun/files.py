@@ -39,6 +39,15 @@ def _claim(path: Path, what: str, make: Callable[[Path], None]) -> Path:
     return tmp
 
 
+def _as_umask_allows(*files: Path) -> None:
+    """Give written files the mode a plain `open` would (0666 less the umask): some writers
+    (safetensors) create them readable by their owner alone."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in files:
+        os.chmod(f, 0o666 & ~mask)
+
+
 def _same_file(a: Path, b: Path) -> bool:
     """Whether `a` and `b` name the same file, through symbolic links."""
     if os.path.realpath(a) == os.path.realpath(b):
@@ -119,6 +128,7 @@ class PendingFile(_Pending):
         self.what, self.tmp = what, _claim(path, what, lambda p: p.touch(exist_ok=False))
 
     def _install(self) -> None:
+        _as_umask_allows(self.tmp)
         os.replace(self.tmp, self.path)
 
 
@@ -135,6 +145,10 @@ class PendingDir(_Pending):
             if any(_inside(p, path) for p in (os.path.abspath(other), os.path.realpath(other))):
                 raise KdaError(f"{what} {path} holds {role} {other}; choose another directory "
                                "(not even --force replaces it)")
+        if path.is_symlink():
+            raise KdaError(f"{what} {path} is a symbolic link (to {os.readlink(path)}); a "
+                           f"{what} is written whole and renamed into place, which would "
+                           "replace the link, not fill its target: give the directory itself")
         if path.exists() and not path.is_dir():
             raise KdaError(f"{what} {path} is a file, expected a directory")
         if path.is_dir() and _inside(os.getcwd(), path):
@@ -152,6 +166,7 @@ class PendingDir(_Pending):
     def _install(self) -> None:
         """A rename where the target is absent or empty; else the old directory is moved
         aside first (back again if the rename fails) and removed after."""
+        _as_umask_allows(*(f for f in self.tmp.iterdir() if f.is_file()))
         if not self.path.exists() or not os.listdir(self.path):
             os.replace(self.tmp, self.path)
             return

@@ -140,7 +140,8 @@ def open_run_checkpoint(run: dict[str, Any]) -> Iterator[str]:
             yield str(synthetic.write_checkpoint(tmp, cfg, seed=d["seed"]))
     else:
         if not Path(ck["path"]).is_dir():
-            raise KdaError(f"checkpoint {ck['path']} of this run is not there any more")
+            now = "is now a file" if Path(ck["path"]).exists() else "is not there any more"
+            raise KdaError(f"checkpoint {ck['path']} of this run {now}")
         yield ck["path"]
 
 

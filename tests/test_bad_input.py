@@ -708,7 +708,7 @@ def _writable(d: Path) -> bool:
 
 
 @pytest.mark.skipif(cuda_available(), reason="a CUDA device is present")
-@pytest.mark.parametrize("args", [["bench"], ["layer-run", "--backend", "cuda"]])
+@pytest.mark.parametrize("args", [["bench"], ["bench", "--tp", "2"], ["layer-run", "--backend", "cuda"]])
 def test_no_cuda_device(args):
     assert_refused(invoke(*args), 1, "no usable CUDA device")
 
@@ -790,6 +790,28 @@ def test_dump_over_an_older_dump_needs_force(made, tmp_path):
     r = invoke("layer-run", made["single"], *RUN, "--dump-stages", d, "--force")
     assert r.exit_code == 0, r.output
     assert json.loads((d / "manifest.json").read_text())["run"]["plan"]["prefill"] == 4
+
+
+def test_dumps_are_readable_as_the_umask_allows(made, tmp_path):
+    """Every file of a dump takes the mode a plain write would (0666 less the umask), so a dump
+    made by one user can be compared by another; safetensors alone writes 0600."""
+    d, _ = make_dump(tmp_path, made)
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in d.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
+
+
+def test_a_dump_path_that_is_a_link_is_refused_before_the_run(made, tmp_path):
+    """A --dump-stages symlink is refused up front, even with --force: the dump is renamed into
+    place whole, which would replace the link and leave its target's old dump."""
+    d, _ = make_dump(tmp_path, made)
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    manifest = (d / "manifest.json").read_bytes()
+    assert_refused(invoke("layer-run", made["single"], *RUN, "--dump-stages", link, "--force"),
+                   1, "is a symbolic link")
+    assert link.is_symlink() and (d / "manifest.json").read_bytes() == manifest
 
 
 # -- NaN and strict JSON --------------------------------------------------------------------
