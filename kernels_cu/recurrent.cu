@@ -289,6 +289,7 @@ __device__ __forceinline__ void decode_batch(
     constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
     constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PR = RPW / P;  // PR: steps at split 1
     constexpr int G = 2;  // steps a warp takes at once: independent chains of sums
+    static_assert(PR % G == 0, "the register variant views s[p0..] as G whole steps");
     extern __shared__ __align__(16) float dyn[];
     __shared__ __align__(16) float nws[D];
     __shared__ float part[R][NW], bs[R];
