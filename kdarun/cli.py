@@ -156,7 +156,7 @@ def main(debug: bool) -> None:
 @click.option("--batch", type=click.IntRange(1, 1024), default=None,
               help="Serve this many sequences instead: random prompts of up to --tokens tokens "
                    "in one packed prefill, --decode-steps batched decodes and one batched "
-                   "verify of --k rows (3 if 0), each sequence checked.")
+                   "verify of --k rows (default 3), each sequence checked.")
 @_tp_options("")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
