@@ -159,30 +159,27 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
         }
 
-        for (int ci = 0; ci < sg.chunks; ++ci) {
-            // W^T and O^T's first term, S^T's fragments split as each k-step needs them
-            float P[CHUNK / 2] = {}, Pe[CHUNK / 2] = {};
-            const unsigned* wimg = reinterpret_cast<const unsigned*>(next());
+        // acc, acc_e += S^T's rows times an operand image's [D][C] (b(s, n0): its fragment
+        // of k-step s, n-tile n0), S^T's fragments split as each k-step needs them
+        auto times_s = [&](float (&acc)[CHUNK / 2], float (&acc_e)[CHUNK / 2], auto b) {
 #pragma unroll
             for (int s = 0; s < KD; ++s) {
                 Frag a;
                 frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
 #pragma unroll
-                for (int j = 0; j < NC; ++j)
-                    mma3(P + 4 * j, Pe + 4 * j, a, frag_w<D>(wimg, s, 8 * j, lane));
+                for (int j = 0; j < NC; ++j) mma3(acc + 4 * j, acc_e + 4 * j, a, b(s, 8 * j));
             }
+        };
+        for (int ci = 0; ci < sg.chunks; ++ci) {
+            // W^T and O^T's first term
+            float P[CHUNK / 2] = {}, Pe[CHUNK / 2] = {};
+            const unsigned* wimg = reinterpret_cast<const unsigned*>(next());
+            times_s(P, Pe, [&](int s, int n0) { return frag_w<D>(wimg, s, n0, lane); });
 #pragma unroll
             for (int i = 0; i < CHUNK / 2; ++i) P[i] += Pe[i];
             float O[CHUNK / 2] = {}, Oe[CHUNK / 2] = {};
             const unsigned* qimg = reinterpret_cast<const unsigned*>(next());
-#pragma unroll
-            for (int s = 0; s < KD; ++s) {
-                Frag a;
-                frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
-#pragma unroll
-                for (int j = 0; j < NC; ++j)
-                    mma3(O + 4 * j, Oe + 4 * j, a, frag_img<CHUNK, D>(qimg, s, 8 * j, lane));
-            }
+            times_s(O, Oe, [&](int s, int n0) { return frag_img<CHUNK, D>(qimg, s, n0, lane); });
 
             // v^T = u^T - W^T, its fragments; O^T += v^T Aqk^T
             const unsigned char* ua = next();
