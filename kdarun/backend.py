@@ -47,6 +47,12 @@ class DevicePtr(int):
     def __repr__(self) -> str:
         return f"DevicePtr(0x{int(self):x})"
 
+    @staticmethod
+    def check(ptr: object, what: str) -> None:
+        """A KdaError naming `what` unless `ptr` is a non-null DevicePtr."""
+        if not isinstance(ptr, DevicePtr) or ptr.is_null:
+            raise KdaError(f"{what} must be a device pointer (DevicePtr), got {ptr!r}")
+
 
 class DeviceOwner:
     """An object that owns device memory and gives it back with `free()`. Once freed, reading

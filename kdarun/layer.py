@@ -81,11 +81,6 @@ _WRITE = re.compile(r"(state\.)?(\w+)(?:\[(\d+)\])?")
 
 
 @functools.cache
-def _check_ptr(ptr: object, what: str) -> None:
-    if not isinstance(ptr, DevicePtr) or ptr.is_null:
-        raise KdaError(f"{what} must be a device pointer (DevicePtr), got {ptr!r}")
-
-
 def _check_state(state: object, what: str) -> None:
     if not isinstance(state, KdaSeqState):
         raise KdaError(f"{what}: the state must be a KdaSeqState, got {type(state).__name__}")
@@ -155,15 +150,14 @@ class Glm5NextKdaLayer:
                         state: KdaSeqState, what: str) -> list[tuple[DevicePtr, DevicePtr]]:
         """decode_k's snapshot targets as a list, checked before anything runs: none or k-1
         pairs (recurrent, conv) of device pointers, none of them inside the state's own
-        buffers (the state would be overwritten by an earlier row's)."""
+        buffers (the state would be overwritten by an earlier row's). `state` is a
+        KdaSeqState (the caller checked)."""
         if isinstance(snapshots, (str, bytes)) or not hasattr(snapshots, "__len__"):
             raise KdaError(f"{what} snapshots must be a list of (recurrent, conv) device "
                            f"pointer pairs, got {snapshots!r}")
         snapshots = list(snapshots)
         if len(snapshots) not in (0, k - 1):
             raise KdaError(f"{what} pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
-        if not isinstance(state, KdaSeqState):
-            raise KdaError(f"{what} the state must be a KdaSeqState, got {type(state).__name__}")
         own = [(state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)]
         for i, pair in enumerate(snapshots):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
@@ -171,10 +165,10 @@ class Glm5NextKdaLayer:
                 raise KdaError(f"{what} snapshot {i} must be a (recurrent, conv) pair of device "
                                f"pointers, got {pair!r}")
             for p, n in zip(pair, (state.recurrent_nbytes, state.conv_nbytes)):
+                self.kernels.gpu.check_region(p, n, f"{what} snapshot {i}")
                 if any(p < a + m and a < p + n for a, m in own):
                     raise KdaError(f"{what} snapshot {i} ({p!r}) lies in the state's own "
                                    f"buffers, which the last row writes")
-                self.kernels.gpu.check_region(p, n, f"{what} snapshot {i}")
         return snapshots
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
@@ -284,7 +278,7 @@ class Glm5NextKdaLayer:
                ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Single-token decode, carrying both states: front end, stateful row, back end. The
         row's conv fuses SiLU and L2, so q/k reach the recurrent step already normalised."""
-        _check_ptr(hidden, "decode: hidden")
+        DevicePtr.check(hidden, "decode: hidden")
         _check_state(state, "decode")
         self.run_steps(gpu, self.decode_steps(hidden, 1, state, ws), 1, state, ws, stream)
 
@@ -297,7 +291,8 @@ class Glm5NextKdaLayer:
         the state on chip between rows. `snapshots[t] = (h_dst, conv_dst)` receives the state
         after row t; pass k-1 of them or none."""
         k = check_int(k, "decode_k: k", 1, MAX_DECODE_ROWS)
-        _check_ptr(hidden, "decode_k: hidden")
+        DevicePtr.check(hidden, "decode_k: hidden")
+        _check_state(state, "decode_k")
         ws.check_tokens(k, "decode_k")
         snapshots = self.check_snapshots(k, snapshots, state, "decode_k:")
         self.run_steps(gpu, self.decode_steps(hidden, k, state, ws, snapshots), k, state, ws,
@@ -334,13 +329,9 @@ class Glm5NextKdaLayer:
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         self.check_fits(ws, pool=pool)
         ws.check_tokens(b * k, what)
-        if not isinstance(slots, DevicePtr) or slots.is_null:
-            raise KdaError(f"{what}: slots must be a device pointer to int32 [{b}], got "
-                           f"{slots!r}")
-        if snapshot_slots is not None and (not isinstance(snapshot_slots, DevicePtr)
-                                           or snapshot_slots.is_null):
-            raise KdaError(f"{what}: snapshot_slots must be a device pointer to int32 "
-                           f"[{b}, {k - 1}] or None, got {snapshot_slots!r}")
+        DevicePtr.check(slots, f"{what}: slots")
+        if snapshot_slots is not None:
+            DevicePtr.check(snapshot_slots, f"{what}: snapshot_slots")
         if gpu.reads_tables_free:
             pool.check_tables(slots, b, snapshot_slots, k, what=what)
 
@@ -349,7 +340,7 @@ class Glm5NextKdaLayer:
         """One token for each of b sequences: hidden [b, hidden] bf16 -> ws.final_out [b,
         hidden], sequence i's states read from and written back to pool slot slots[i]. Each
         sequence's outputs and states are bit-identical to `decode` on the same state."""
-        _check_ptr(hidden, "decode_batch: hidden")
+        DevicePtr.check(hidden, "decode_batch: hidden")
         self.check_batch(gpu, "decode_batch", b, 1, slots, pool, ws)
         self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream,
                        SeqRows.uniform(b, 1))
@@ -361,7 +352,7 @@ class Glm5NextKdaLayer:
         bf16, sequence-major -> ws.final_out [b*k, hidden]. Each sequence is bit-identical to
         `decode_k` on the same state; snapshot_slots [b, k-1] int32 (or None) receive the
         state after each row but the last (-1: skipped)."""
-        _check_ptr(hidden, "verify_batch: hidden")
+        DevicePtr.check(hidden, "verify_batch: hidden")
         self.check_batch(gpu, "verify_batch", b, k, slots, pool, ws, snapshot_slots)
         self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
                        b * k, None, ws, stream, SeqRows.uniform(b, k))
@@ -440,7 +431,7 @@ class Glm5NextKdaLayer:
                               stream: int) -> None:
         """`prefill` with the padded q/k/v tails primed to `pad_fill`. The chunk kernels
         guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
-        _check_ptr(hidden, "prefill: hidden")
+        DevicePtr.check(hidden, "prefill: hidden")
         _check_state(state, "prefill")
         ws.check_tokens(t, "prefill")
         self.run_steps(gpu, self.prefill_steps(hidden, t, state, ws, pad_fill), t, state, ws,
@@ -455,15 +446,15 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
     and `out` must hold t rows (the host backend checks it; on a GPU a pointer's size is not
     known)."""
     t = check_int(t, "prefill_windowed: the token count", 1)
-    _check_ptr(hidden, "prefill_windowed: hidden")
-    _check_ptr(out, "prefill_windowed: out")
+    DevicePtr.check(hidden, "prefill_windowed: hidden")
+    DevicePtr.check(out, "prefill_windowed: out")
     _check_state(state, "prefill_windowed")
     row = layer.cfg.hidden_size * BF16.itemsize
+    gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
+    gpu.check_region(out, t * row, "prefill_windowed: out")
     for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
         if out < buf + n and buf < out + t * row:
             raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
-    gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
-    gpu.check_region(out, t * row, "prefill_windowed: out")
     for start in range(0, t, ws.max_tokens()):
         n = min(ws.max_tokens(), t - start)
         layer.prefill(gpu, hidden + start * row, n, state, ws, stream)
@@ -491,9 +482,8 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     rows (and its padded chunks), a sequence longer than that in pieces carrying its state
     through its slot. Each sequence's rows and states are those of `prefill` on it alone, bit
     for bit, given the same GEMM outputs (a GEMM over more rows may round a row differently)."""
-    for name, ptr in (("hidden", hidden), ("out", out)):
-        if not isinstance(ptr, DevicePtr) or ptr.is_null:
-            raise KdaError(f"prefill_packed: {name} must be a device pointer, got {ptr!r}")
+    DevicePtr.check(hidden, "prefill_packed: hidden")
+    DevicePtr.check(out, "prefill_packed: out")
     for name, seq in (("cu_seqlens", cu_seqlens), ("slots", slots),
                       ("has_initial_state", has_initial_state)):
         if isinstance(seq, (str, bytes, DevicePtr)) or not hasattr(seq, "__len__"):

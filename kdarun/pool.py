@@ -85,9 +85,9 @@ class KdaStatePool(DeviceOwner):
         self._require_live(what)
         b = check_int(b, f"{what}: b", 1)
         k = check_int(k, f"{what}: k", 1)
-        for name, ptr in (("slots", slots), ("snapshot_slots", snapshot_slots)):
-            if ptr is not None and (not isinstance(ptr, DevicePtr) or ptr.is_null):
-                raise KdaError(f"{what}: {name} must be a device pointer, got {ptr!r}")
+        DevicePtr.check(slots, f"{what}: slots")
+        if snapshot_slots is not None:
+            DevicePtr.check(snapshot_slots, f"{what}: snapshot_slots")
         table = self._gpu.download(slots, (b,), np.int32, stream)
         snaps = (self._gpu.download(snapshot_slots, (b, k - 1), np.int32, stream)
                  if snapshot_slots is not None and k > 1 else None)

@@ -251,7 +251,7 @@ def test_prefill_packed_refuses_bad_packs(env):
         call([0, 4, 10], [0, 1], [False] * 2, checkpoint_slots=[[2], [3]])
     with pytest.raises(KdaError, match="slots must be a host sequence"):
         call([0, 4, 10], gpu.upload(np.array([0, 1], np.int32)), [False] * 2)
-    with pytest.raises(KdaError, match="out must be a device pointer, got None"):
+    with pytest.raises(KdaError, match=r"out must be a device pointer \(DevicePtr\), got None"):
         prefill_packed(env.layer, gpu, h, [0, 4, 10], [0, 1], [False] * 2, pool, env.ws, None, 0)
     with pytest.raises(KdaError, match="N\\+1 cu_seqlens"):
         call([0, 10], [0, 1], [False, False])
