@@ -84,6 +84,17 @@ def test_every_launch_fits_the_architecture(builds, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
+def test_no_build_loses_performance_by_ptxas_report(builds, arch):
+    """ptxas reports no "Potential Performance Loss" (C75xx) for any kernel: one warpgroup MMA
+    issued on a path of its own, for one, serialises every warpgroup MMA of the walk, which
+    changes no result and so shows in no other test."""
+    for fam in FAMILIES:
+        report = builds[arch, fam][0]
+        assert "Performance Loss" not in report, (arch, fam, [
+            line for line in report.splitlines() if "Performance Loss" in line])
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_batch_decode_shared_memory(builds, arch):
     """kda_decode_batch's launches size their shared memory by kernels.decode_batch_smem, which
     must agree with the largest the source exports; where it stages state rows by bulk copies,
