@@ -73,6 +73,22 @@ def test_figures_flatten_every_step():
                  "prefill tiny T=64 chunk_intra ms": 0.75, "prefill tiny T=64 conv ms": 0.125}
 
 
+def test_figures_take_batched_decode_packed_prefill_and_the_portable_walk():
+    report = {"batch": [{"mode": "batch-decode", "preset": "tiny", "batch": 64, "k": 1,
+                         "us": 150.0, "kernels_us": {"front_end": 40.0}}],
+              "varlen": [{"preset": "tiny", "mix": "32x128", "ms": 1.5, "ms_checkpoints": 1.625,
+                          "one_ms": 1.25}],
+              "prefill": [{"preset": "tiny", "tokens": 64, "ms": 2.0, "core_ms": 0.5,
+                           "gemm_ms": 0.25, "kernels_ms": {}, "hopper_walk_ms": 0.125,
+                           "portable_walk_ms": 0.25, "portable_core_ms": None}]}
+    assert ab_trees.figures(report) == {
+        "batch-decode tiny B=64 K=1 us": 150.0, "batch-decode tiny B=64 K=1 front_end us": 40.0,
+        "varlen tiny 32x128 ms": 1.5, "varlen tiny 32x128 checkpointed ms": 1.625,
+        "varlen tiny 32x128 one sequence ms": 1.25, "prefill tiny T=64 layer ms": 2.0,
+        "prefill tiny T=64 core ms": 0.5, "prefill tiny T=64 GEMMs ms": 0.25,
+        "prefill tiny T=64 hopper walk ms": 0.125, "prefill tiny T=64 portable walk ms": 0.25}
+
+
 def test_table_gives_runs_and_ratio_of_medians():
     runs = {"main": [ab_trees.figures(_report(ms, 1.0)) for ms in (2.0, 4.0, 9.0)],
             "new": [ab_trees.figures(_report(2.0, 0.5, with_decode=False))]}

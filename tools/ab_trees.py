@@ -8,7 +8,8 @@ tree's.
 
     python3 tools/ab_trees.py export DIR REF [REF ...]      # here: `git archive` each ref
     PYTHONPATH=. python3 tools/ab_trees.py run TREE [TREE ...] [--rounds 2] [--tests]
-        [--only prefill|decode] [--tokens 4096,16384]        # on the device machine
+        [--only decode|batch|varlen|prefill] [--tokens 4096,16384] [--batch 1,64,256]
+        [--presets kimi-linear-48b,glm-5.3-flash]            # on the device machine
 
 `export` writes DIR/<ref> (slashes become '-'); keep DIR in an ignored folder and carry it.
 `run` times each tree with its own `tools/gpu_check.py --skip-tests --no-fla`; `--tests`
@@ -45,12 +46,22 @@ def export(into: Path, refs: list[str], repo: Path = Path(".")) -> list[Path]:
 
 
 def figures(report: dict) -> dict[str, float]:
-    """A gpu_check report as flat {figure: value}: decode in us, prefill in ms, each step
-    of a prefill as its own figure."""
+    """A gpu_check report as flat {figure: value}: decode and batched decode in us (each
+    launch of a batched call too), packed and plain prefill in ms, each step of a prefill and
+    the portable walk's figures (where the layer took the Hopper one) as figures of their own."""
     out: dict[str, float] = {}
     for d in report.get("decode", []):
         key = f"decode {d['preset']} K={d['k']} {'graph' if d['graph'] else 'eager'}"
         out[f"{key} us"] = d["us"]
+    for d in report.get("batch", []):
+        key = f"{d['mode']} {d['preset']} B={d['batch']} K={d['k']}"
+        out[f"{key} us"] = d["us"]
+        for launch, us in (d.get("kernels_us") or {}).items():
+            out[f"{key} {launch} us"] = us
+    for v in report.get("varlen", []):
+        key = f"varlen {v['preset']} {v['mix']}"
+        out[f"{key} ms"], out[f"{key} checkpointed ms"] = v["ms"], v["ms_checkpoints"]
+        out[f"{key} one sequence ms"] = v["one_ms"]
     for p in report.get("prefill", []):
         key = f"prefill {p['preset']} T={p['tokens']}"
         out[f"{key} layer ms"] = p["ms"]
@@ -58,6 +69,9 @@ def figures(report: dict) -> dict[str, float]:
         out[f"{key} GEMMs ms"] = p["gemm_ms"]
         for step, ms in p["kernels_ms"].items():
             out[f"{key} {step} ms"] = ms
+        for name in ("hopper_walk_ms", "portable_walk_ms", "portable_core_ms"):
+            if p.get(name) is not None:
+                out[f"{key} {name.removesuffix('_ms').replace('_', ' ')} ms"] = p[name]
     return out
 
 
@@ -127,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("trees", nargs="+", type=Path)
     rn.add_argument("--rounds", type=int, default=2)
     rn.add_argument("--tests", action="store_true", help="each tree's GPU tests first")
-    rn.add_argument("--only", choices=("decode", "prefill"))
+    rn.add_argument("--only", choices=("decode", "batch", "varlen", "prefill"))
     rn.add_argument("--tokens", help="prefill lengths, comma-separated")
+    rn.add_argument("--batch", help="batched decode's sequence counts, comma-separated")
+    rn.add_argument("--presets", help="presets, comma-separated")
     args = ap.parse_args(argv)
     if args.cmd == "export":
         for tree in export(args.into, args.refs):
@@ -139,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(t) for t in args.trees if not (t / "tools" / "gpu_check.py").is_file()]
     if missing:
         ap.error(f"not a kdarun tree (no tools/gpu_check.py): {', '.join(missing)}")
-    bench_args = ([f"--only={args.only}"] if args.only else []) + (
-        [f"--tokens={args.tokens}"] if args.tokens else [])
+    bench_args = [f"--{name}={getattr(args, name)}" for name in ("only", "tokens", "batch", "presets")
+                  if getattr(args, name)]
     print(run([t.resolve() for t in args.trees], args.rounds, args.tests, bench_args))
     return 0
 
