@@ -73,15 +73,19 @@ def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_
     gpu.view(gate, (M, H, D), F32)[...], gpu.view(beta, (M, H), F32)[...] = g
 
 
-# -- qkv_parts (prefill_conv_qkv and front_end_gemv pieces) -----------------------------------
+# -- qkv_parts (prefill_stage_copies and front_end_gemv pieces) -------------------------------
 def _split_qkv(gpu, qkv_proj, qkv_parts, t, qkv, parts_rows=None):
     """qkv_proj [t, 3 qkv] into rows 0..t-1 of each [parts_rows (t), qkv] part of qkv_parts."""
     parts = gpu.view(qkv_parts, (3, parts_rows or t, qkv), BF16)
     parts[:, :t] = gpu.view(qkv_proj, (t, 3, qkv), BF16).transpose(1, 0, 2)
 
 
-def _widen_f32(gpu, conv_out, q, k, v, T, t_pad, qkv, pad_fill, segments):
-    """conv_out's packed rows widened into each segment's padded rows, pad_fill past them."""
+def prefill_stage_copies(gpu, qkv_proj, conv_out, qkv_parts, q, k, v, segs, nseg, T, t_pad, qkv,
+                         pad_fill):
+    """qkv_proj by part into qkv_parts; conv_out's packed rows widened into each segment's
+    padded rows, pad_fill past them."""
+    _split_qkv(gpu, qkv_proj, qkv_parts, T, qkv)
+    segments = _segments(gpu, segs, nseg, T)
     X = gpu.view(conv_out, (T, 3 * qkv), BF16).astype(F32)
     for i, p in enumerate((q, k, v)):
         dst = gpu.view(p, (t_pad, qkv), F32)
@@ -93,10 +97,10 @@ def _widen_f32(gpu, conv_out, q, k, v, T, t_pad, qkv, pad_fill, segments):
 
 # -- gate ------------------------------------------------------------------------------------
 def kda_gate_beta(gpu, g_raw, b_raw, ldb, a_log, dt_bias, gate, beta, segs, nseg, t, t_pad, H,
-                  D, lower_bound, bounded):
+                  D, lower_bound, bounded, pad_fill):
     g, b = _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound, bounded)
     G, B = gpu.view(gate, (t_pad, H, D), F32), gpu.view(beta, (t_pad, H), F32)
-    G[...], B[...] = 0, 0  # padded rows: past each segment's tokens
+    G[...], B[...] = pad_fill, pad_fill  # padded rows: past each segment's tokens
     for chunk0, _, row0, rows, *_ in _segments(gpu, segs, nseg, t):
         p0 = chunk0 * CHUNK
         G[p0:p0 + rows], B[p0:p0 + rows] = g[row0:row0 + rows], b[row0:row0 + rows]
@@ -142,11 +146,9 @@ def _conv_state(gpu, conv_state, sg, conv_dim, W) -> np.ndarray:
     return S if sg[5] else np.zeros_like(S)
 
 
-def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, segs,
-                     nseg, T, T_pad, H, D, W, pad_fill):
-    qkv, cd = H * D, 3 * H * D
+def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, conv_out, segs, nseg, T, T_pad, H, D, W):
+    cd = 3 * H * D
     segments = _segments(gpu, segs, nseg, T)
-    _split_qkv(gpu, qkv_proj, qkv_parts, T, qkv)
     X, w = gpu.view(qkv_proj, (T, cd), BF16), gpu.view(conv_w, (W, cd), F32)
     for sg in segments:
         row0, rows = sg[2], sg[3]
@@ -154,7 +156,6 @@ def prefill_conv_qkv(gpu, qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, 
         y = _silu(_conv_taps(w, xs.astype(F32), rows))
         gpu.view(conv_out, (T, cd), BF16)[row0:row0 + rows] = y.astype(BF16)
     _l2_norm_bf16(gpu, conv_out, T, cd, 2 * H, D)
-    _widen_f32(gpu, conv_out, q, k, v, T, T_pad, qkv, pad_fill, segments)
 
 
 def conv_roll_state(gpu, x, conv_state, segs, nseg, T, conv_dim, W):
@@ -242,10 +243,18 @@ def _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state,
 # the same quantities there as plain fp32 blocks [chunk, head, rows, cols]: the host mirrors
 # the chunked algebra, not the device's operand images, which the GPU tests pin.
 def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
-    """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows >= t selected to 0
-    (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
+    """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows not `valid` selected
+    to 0 (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
     x = gpu.view(ptr, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
     return np.where(valid[None, :, None], x, f32(0))
+
+
+def _token_rows(x, row0, n, H, D):
+    """A chunk's q, k, v [H, C, D] fp32 from conv_out x [T, 3, H, D] bf16: packed rows row0..
+    row0 + n - 1, zeros past them (rows past a segment are never read)."""
+    out = np.zeros((3, H, CHUNK, D), F32)
+    out[:, :, :n] = x[row0:row0 + n].astype(F32).transpose(1, 2, 0, 3)
+    return out
 
 
 def _chunk_blocks(gpu, ptr, t_pad, H, *shape):
@@ -254,12 +263,15 @@ def _chunk_blocks(gpu, ptr, t_pad, H, *shape):
 
 
 def _kda_chunk_intra(D):
-    def run(gpu, q, k, v, gate, beta, qg, kd, gl, w, u, aqk, t, t_pad, H, scale):
+    def run(gpu, conv_out, gate, beta, qg, kd, gl, w, u, aqk, segs, nseg, t, t_pad, H, scale):
         causal = np.tril(np.ones((CHUNK, CHUNK), bool))
-        for ci in range(t_pad // CHUNK):
-            c0 = ci * CHUNK
-            valid = np.arange(c0, c0 + CHUNK) < t
-            qc, kc, vc, gc = (_chunk_rows(gpu, p, t_pad, H, D, c0, valid) for p in (q, k, v, gate))
+        x = gpu.view(conv_out, (t, 3, H, D), BF16)
+        for ci, sg, lt0 in ((sg[0] + i, sg, i * CHUNK) for sg in _segments(gpu, segs, nseg, t)
+                            for i in range(sg[1])):
+            c0, n = ci * CHUNK, min(CHUNK, sg[3] - lt0)  # n: the chunk's rows that are tokens
+            valid = np.arange(CHUNK) < n
+            qc, kc, vc = _token_rows(x, sg[2] + lt0, n, H, D)
+            gc = _chunk_rows(gpu, gate, t_pad, H, D, c0, valid)
             qc = qc * f32(scale)
             bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[c0:c0 + CHUNK].T, f32(0))
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
@@ -337,6 +349,7 @@ HOST_KERNELS: dict[str, dict] = {
              "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
+             "prefill_stage_copies": prefill_stage_copies,
              "conv_roll_state": conv_roll_state},
     "recurrent": {**{f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
                   **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)}},

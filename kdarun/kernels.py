@@ -340,14 +340,15 @@ class Glm5NextKdaKernels:
 
     def kda_gate_beta(self, stream: int, g_raw: DevicePtr, b_raw: DevicePtr, ldb: int,
                       a_log: DevicePtr, dt_bias: DevicePtr, gate: DevicePtr, beta: DevicePtr,
-                      t: int, segs: SegmentTable | None = None) -> None:
+                      t: int, segs: SegmentTable | None = None, pad_fill: float = 0.0) -> None:
         """g_raw [t, qkv] bf16 -> gate [t_pad, H, D] fp32; b_raw (row stride ldb) ->
-        beta [t_pad, H]; padded rows (past each segment's tokens) written as 0."""
+        beta [t_pad, H]; padded rows (past each segment's tokens) written as pad_fill."""
         c = self.cfg
         table, n, t_pad = self._segments(t, segs)
         self._launch("gate", "kda_gate_beta", _cfg1d(t_pad * c.qkv // 8),
                      (g_raw, b_raw, i32(ldb), a_log, dt_bias, gate, beta, table, i32(n), i32(t),
-                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), *self._gate_form()), stream)
+                      i32(t_pad), i32(c.num_heads), i32(c.head_dim), *self._gate_form(),
+                      f32(pad_fill)), stream)
 
     # -- conv ------------------------------------------------------------------------------
     @property
@@ -357,27 +358,38 @@ class Glm5NextKdaKernels:
         return "prefill_conv_qkv_w4" if self.cfg.conv_kernel == 4 else "prefill_conv_qkv"
 
     def prefill_conv_qkv(self, stream: int, qkv_proj: DevicePtr, conv_state: DevicePtr,
-                         conv_w: DevicePtr, qkv_parts: DevicePtr, conv_out: DevicePtr,
-                         q: DevicePtr, k: DevicePtr, v: DevicePtr, t: int, pad_fill: float,
+                         conv_w: DevicePtr, conv_out: DevicePtr, t: int,
                          segs: SegmentTable | None = None) -> None:
-        """Prefill over t tokens of qkv_proj [t, conv_dim] (the projection's q|k|v): its copy
-        qkv_parts [3, t, qkv], conv_out (conv + SiLU to bf16, then q/k L2 normalised to bf16
-        again) and its fp32 widening q/k/v [t_pad, qkv] with padded rows set to pad_fill; then
-        the conv state [W-1, conv_dim] rolls to the last W-1 input rows. With `segs`, each
-        segment convolves its own rows from its slot of conv_state [slots, W-1, conv_dim]
-        (or zeros), writes its state back there and its checkpoints' to their slots."""
+        """Prefill over t tokens of qkv_proj [t, conv_dim] (the projection's q|k|v): conv_out
+        (conv + SiLU to bf16, then q/k L2 normalised to bf16 again); then the conv state
+        [W-1, conv_dim] rolls to the last W-1 input rows.
+        With `segs`, each segment convolves its own rows from its slot of conv_state [slots,
+        W-1, conv_dim] (or zeros), writes its state back there and its checkpoints' to their
+        slots."""
         c = self.cfg
         table, n, t_pad = self._segments(t, segs)
         threads = _blocks(t_pad, CONV_TOKENS) * c.conv_dim // 8
         self._launch("conv", self.prefill_conv_name, _cfg1d(threads),
-                     (qkv_proj, conv_state, conv_w, qkv_parts, conv_out, q, k, v, table, i32(n),
-                      i32(t), i32(t_pad), i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel),
-                      f32(pad_fill)), stream)
+                     (qkv_proj, conv_state, conv_w, conv_out, table, i32(n), i32(t), i32(t_pad),
+                      i32(c.num_heads), i32(c.head_dim), i32(c.conv_kernel)),
+                     stream)
         self._launch("conv", "conv_roll_state",
                      LaunchConfig((_blocks(c.conv_dim), n, 1), (THREADS, 1, 1)),
                      (qkv_proj, conv_state, table, i32(n), i32(t), i32(c.conv_dim),
                       i32(c.conv_kernel)),
                      stream)
+
+    def prefill_stage_copies(self, stream: int, qkv_proj: DevicePtr, conv_out: DevicePtr,
+                             qkv_parts: DevicePtr, q: DevicePtr, k: DevicePtr, v: DevicePtr,
+                             t: int, pad_fill: float, segs: SegmentTable | None = None) -> None:
+        """The stages' copies no kernel reads: qkv_proj [t, conv_dim] by part into qkv_parts
+        [3, t, qkv], and conv_out's q, k, v [t, conv_dim] bf16 widened to q, k, v [t_pad, qkv]
+        fp32 in padded rows, pad_fill past each segment's tokens."""
+        c = self.cfg
+        table, n, t_pad = self._segments(t, segs)
+        self._launch("conv", "prefill_stage_copies", _cfg1d(t_pad * c.conv_dim // 8),
+                     (qkv_proj, conv_out, qkv_parts, q, k, v, table, i32(n), i32(t), i32(t_pad),
+                      i32(c.qkv), f32(pad_fill)), stream)
 
     # -- core ------------------------------------------------------------------------------
     def kda_decode_rows(self, stream: int, x: DevicePtr, conv_state: DevicePtr,
@@ -445,19 +457,21 @@ class Glm5NextKdaKernels:
             raise KdaError(f"{name}: need 1 <= nrows <= {MAX_DECODE_ROWS} and 0 <= nsnap < "
                            f"nrows, got nrows={nrows} nsnap={nsnap}")
 
-    def kda_chunk_intra(self, stream: int, q: DevicePtr, k: DevicePtr, v: DevicePtr,
-                        gate: DevicePtr, beta: DevicePtr, qg: DevicePtr, kd: DevicePtr,
-                        gl: DevicePtr, w: DevicePtr, u: DevicePtr, aqk: DevicePtr, t: int) -> None:
-        """Every chunk's WY factors over t tokens of q, k, v, gate [t_pad, H, D] fp32 and beta
-        [t_pad, H], in parallel: the chunked core's first half. It writes the walk's operands
+    def kda_chunk_intra(self, stream: int, conv_out: DevicePtr, gate: DevicePtr,
+                        beta: DevicePtr, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
+                        w: DevicePtr, u: DevicePtr, aqk: DevicePtr, t: int,
+                        segs: SegmentTable | None = None) -> None:
+        """Every chunk's WY factors, in parallel: the chunked core's first half, from q, k, v
+        in conv_out [t, conv_dim] bf16 (packed rows: each segment's tokens, or t tokens) and
+        gate [t_pad, H, D], beta [t_pad, H] fp32 (padded rows). It writes the walk's operands
         qg, kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to
-        chunk.cu); rows >= t are never read."""
+        chunk.cu); rows past a segment's tokens are never read."""
         c = self.cfg
-        D, t_pad, H = c.head_dim, c.t_pad(t), c.num_heads
-        self._launch("chunk", f"kda_chunk_intra_d{D}",
-                     LaunchConfig((t_pad // CHUNK, H, 1), (THREADS, 1, 1)),
-                     (q, k, v, gate, beta, qg, kd, gl, w, u, aqk, i32(t), i32(t_pad), i32(H),
-                      f32(c.scale)), stream)
+        table, n, t_pad = self._segments(t, segs)
+        self._launch("chunk", f"kda_chunk_intra_d{c.head_dim}",
+                     LaunchConfig((t_pad // CHUNK, c.num_heads, 1), (THREADS, 1, 1)),
+                     (conv_out, gate, beta, qg, kd, gl, w, u, aqk, table, i32(n), i32(t),
+                      i32(t_pad), i32(c.num_heads), f32(c.scale)), stream)
 
     @property
     def chunk_inter_name(self) -> str:

@@ -370,8 +370,21 @@ class Glm5NextKdaLayer:
         """prefill's steps over t packed rows of hidden [t, hidden] bf16 holding the segments
         of the device table `segs` (kernels.segment_table), their states in `pool`: the GEMMs,
         the norm and o_proj run over the t packed rows; gate_beta, the conv and the chunk
-        kernels over the segments' chunks, padded rows zero (exact no-ops of the WY form)."""
+        kernels over the segments' chunks, each reading only its segment's tokens."""
         return self._prefill_steps(hidden, t, pool.conv, pool.recurrent, ws, 0.0, segs)
+
+    def _conv(self, stream: int, ws: Glm5NextKdaWorkspace, conv_state: DevicePtr, t: int,
+              pad_fill: float, segs: SegmentTable | None) -> None:
+        """The conv step: conv_out (which the chunk kernels read) and, only when a stage hook
+        will read them, the stages' copies no kernel reads, qkv_parts and q/k/v_f32 (padded
+        rows pad_fill; prefill_stage_copies, which the step's kernel label names since only a
+        stage report shows it)."""
+        kn = self.kernels
+        kn.prefill_conv_qkv(stream, ws.qkv_proj, conv_state, self.weights.conv_w, ws.conv_out,
+                            t, segs)
+        if self.stage_hook is not None:
+            kn.prefill_stage_copies(stream, ws.qkv_proj, ws.conv_out, ws.qkv_parts, ws.q_f32,
+                                    ws.k_f32, ws.v_f32, t, pad_fill, segs)
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
@@ -379,7 +392,6 @@ class Glm5NextKdaLayer:
         c, w, kn = self.cfg, self.weights, self.kernels
         # a plain prefill's states are the caller's; a packed one's, the pool's slots
         state_writes = (("state.conv",), ("state.recurrent",)) if segs is None else ((), ())
-        t_chunks = t if segs is None else segs.t_pad  # the intra kernel reads every padded row
         gate_in = ws.ptr("gate_in")
         f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize
                            for p in ("f_a", "g_a", "b"))
@@ -401,16 +413,14 @@ class Glm5NextKdaLayer:
                                         c.qkv, c.rank), gemm=True),
             Step("gate_beta", "kda_gate_beta", ("gate", "beta"),
                  lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                                            w.dt_bias, ws.gate, ws.beta, t, segs)),
-            Step("conv", f"{kn.prefill_conv_name}, conv_roll_state",
+                                            w.dt_bias, ws.gate, ws.beta, t, segs, pad_fill)),
+            Step("conv", f"{kn.prefill_conv_name}, conv_roll_state, prefill_stage_copies",
                  ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", *state_writes[0]),
-                 lambda s: kn.prefill_conv_qkv(s, ws.qkv_proj, conv_state, w.conv_w,
-                                               ws.qkv_parts, ws.conv_out, ws.q_f32, ws.k_f32,
-                                               ws.v_f32, t, pad_fill, segs)),
+                 lambda s: self._conv(s, ws, conv_state, t, pad_fill, segs)),
             Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}",
                  tuple(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk")),
-                 lambda s: kn.kda_chunk_intra(s, ws.q_f32, ws.k_f32, ws.v_f32, ws.gate, ws.beta,
-                                              *chunk, t_chunks)),
+                 lambda s: kn.kda_chunk_intra(s, ws.conv_out, ws.gate, ws.beta, *chunk, t,
+                                              segs)),
             Step("chunk_inter", kn.chunk_inter_name, ("core", *state_writes[1]),
                  lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
@@ -429,8 +439,9 @@ class Glm5NextKdaLayer:
     def prefill_with_pad_fill(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
                               state: KdaSeqState, ws: Glm5NextKdaWorkspace, pad_fill: float,
                               stream: int) -> None:
-        """`prefill` with the padded q/k/v tails primed to `pad_fill`. The chunk kernels
-        guard past t, so any fill (NaN, 1e30) must leave outputs and state unchanged."""
+        """`prefill` with the padded rows of gate and beta (and of q/k/v_f32, where a stage
+        hook has them filled) primed to `pad_fill`. The chunk kernels guard past t, so any
+        fill (NaN, 1e30) must leave outputs and state unchanged."""
         DevicePtr.check(hidden, "prefill: hidden")
         _check_state(state, "prefill")
         ws.check_tokens(t, "prefill")

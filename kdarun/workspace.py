@@ -67,11 +67,14 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("conv_out", _rows(lambda c: c.conv_dim), BF16, True, "[T, conv_dim] q|k|v",
                "after conv + SiLU, q|k L2-normalised", 8e-3),  # two roundings: <= 3.5e-3
     BufferSpec("q_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "q widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
+               "q widened (written only for a stage hook), tail = pad_fill", 8e-3,
+               padded=True),  # <= 3.5e-3
     BufferSpec("k_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "k widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
+               "k widened (written only for a stage hook), tail = pad_fill", 8e-3,
+               padded=True),  # <= 3.5e-3
     BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
-               "v widened, tail = pad_fill", 8e-3, padded=True),  # <= 3.5e-3
+               "v widened (written only for a stage hook), tail = pad_fill", 8e-3,
+               padded=True),  # <= 3.5e-3
     BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3, padded=True),  # an fp32 map of bf16 inputs: <= 1.3e-3
     BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "[T_pad, H]",
                "sigmoid(b_proj(h))", 2e-3, padded=True),  # <= 4.7e-4

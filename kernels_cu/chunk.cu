@@ -11,8 +11,10 @@
 //     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
 //     one bulk copy stages each and its inner loops convert nothing); the next operands land
 //     while the current products run.
-// Rows >= T are selected to zero on load (never multiplied), so NaN or 1e30 primed into the
-// padded tail can reach neither the outputs nor the state. Decays are exponentiated as
+// q, k and v come from conv_out (bf16, each segment's tokens); rows past a segment's tokens
+// are zero on load: conv_out's are never read, the padded gate's and beta's selected away
+// (never multiplied), so NaN or 1e30 primed into the padded tail can reach neither the outputs
+// nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "chunk.cuh"
@@ -40,8 +42,13 @@ __device__ unsigned long long phase_cycles[16];
 #define AP 68   // padded row stride of C x C tiles: 16-byte rows, rows 2 apart in distinct banks
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
-__device__ __forceinline__ float4 pick4(bool valid, float4 x) {
-    return valid ? x : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+// 4 bf16 at p (8-byte aligned), widened exactly; zeros where !ok (then p is not read).
+__device__ __forceinline__ float4 load4_bf16(bool ok, const bf16* p) {
+    if (!ok) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                       __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
 }
 
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
@@ -108,13 +115,16 @@ struct IntraLayout {
 template <int D>
 using Intra = IntraLayout<D, IntraLayout<D, 64>::FLOATS * 4 <= SMEM_PER_BLOCK ? 64 : 32>;
 
+// q, k and v are read from conv_out [T, 3 H D] bf16 (packed rows): chunk ci's rows are its
+// segment's tokens (segments.cuh), rows past the segment's end zero. The gate and beta are
+// padded rows [T_pad, H, D], [T_pad, H].
 template <int D>
-__device__ void chunk_intra(const float* __restrict__ q, const float* __restrict__ k,
-                            const float* __restrict__ v, const float* __restrict__ gate,
+__device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict__ gate,
                             const float* __restrict__ beta, unsigned* __restrict__ qg_out,
                             unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
-                            unsigned* __restrict__ aqk, int T, int H, float scale) {
+                            unsigned* __restrict__ aqk, const int* __restrict__ segs, int nseg,
+                            int T, int H, float scale) {
     using L = Intra<D>;
     constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB;
     extern __shared__ __align__(16) float sm[];
@@ -122,12 +132,17 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
     const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CHUNK;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] inputs
+    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] gate
+    const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, ci), T);
+    const int lt0 = c0 - sg.chunk0 * CHUNK;         // the chunk's first token of its segment
+    const int valid = min(CHUNK, sg.rows - lt0);    // its rows that are tokens
+    const int qkv = H * D;
+    const bf16* xq = x + (u64)(sg.row0 + lt0) * 3 * qkv + h * D;  // row r: q, then k, v qkv on
     const u64 blk = ((u64)ci * H + h) * CHUNK * D;  // the outputs: one block a (chunk, head)
 
     for (int i = tid; i < 2 * CHUNK * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
     PHASES_BEGIN;
-    if (tid < CHUNK) Bs[tid] = pick(c0 + tid < T, beta[(u64)(c0 + tid) * H + h]);
+    if (tid < CHUNK) Bs[tid] = pick(tid < valid, beta[(u64)(c0 + tid) * H + h]);
 
     for (int d0 = 0; d0 < D; d0 += DH) {
         // k, q and the gate's cumulative sum G over dimensions [d0, d0 + DH). Each thread sums
@@ -141,17 +156,16 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
 #pragma unroll
             for (int it = 0; it < IT; ++it) {
                 const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
-                const u64 o = row0 + r * rstride + d0 + c4;
-                kv[it] = __ldg(reinterpret_cast<const float4*>(k + o));
-                qv[it] = __ldg(reinterpret_cast<const float4*>(q + o));
+                const bf16* xr = xq + (u64)r * 3 * qkv + d0 + c4;
+                kv[it] = load4_bf16(r < valid, xr + qkv);
+                qv[it] = load4_bf16(r < valid, xr);
             }
 #pragma unroll
             for (int j = 0; j < SL; ++j) gv[j] = gate[row0 + (seg * SL + j) * rstride + d0 + d];
 #pragma unroll
             for (int it = 0; it < IT; ++it) {
                 const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
-                const bool ok = c0 + r < T;
-                const float4 kk = pick4(ok, kv[it]), qq = pick4(ok, qv[it]);
+                const float4 kk = kv[it], qq = qv[it];
                 *reinterpret_cast<float2*>(Ks + r * P + c4) = make_float2(kk.x, kk.y);
                 *reinterpret_cast<float2*>(Ks + r * P + c4 + 2) = make_float2(kk.z, kk.w);
                 *reinterpret_cast<float2*>(Qs + r * P + c4) = make_float2(qq.x * scale, qq.y * scale);
@@ -160,7 +174,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
             float run = 0.0f;
 #pragma unroll
             for (int j = 0; j < SL; ++j) {
-                run += pick(c0 + seg * SL + j < T, gv[j]);
+                run += pick(seg * SL + j < valid, gv[j]);
                 gv[j] = run;
             }
             float* tot = Es;  // segment totals, before the scaled rows are built
@@ -350,7 +364,7 @@ __device__ void chunk_intra(const float* __restrict__ q, const float* __restrict
         if (col < D) {
 #pragma unroll
             for (int r = 0; r < SB; ++r)
-                rhs[r] = pick(c0 + r0 + r < T, __ldg(v + row0 + (r0 + r) * rstride + dc));
+                rhs[r] = r0 + r < valid ? bf2f(xq[(u64)(r0 + r) * 3 * qkv + 2 * qkv + dc]) : 0.0f;
         } else if (col < 2 * D) {
 #pragma unroll
             for (int r = 0; r < SB; ++r) rhs[r] = w_out[blk + park_word<D>(r0 + r, dc)];
@@ -673,10 +687,10 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 // structs above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
-        const float* q, const float* k, const float* v, const float* gate, const float* beta,  \
-        unsigned* qg, unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, int T,       \
+        const bf16* conv_out, const float* gate, const float* beta, unsigned* qg, unsigned* kd, \
+        float* gl, float* w, float* u, unsigned* aqk, const int* segs, int nseg, int T,         \
         int T_pad, int H, float scale) {                                                       \
-        chunk_intra<D>(q, k, v, gate, beta, qg, kd, gl, w, u, aqk, T, H, scale);               \
+        chunk_intra<D>(conv_out, gate, beta, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale);  \
     }                                                                                          \
     extern "C" {                                                                               \
     __constant__ int kda_chunk_intra_d##D##_smem = Intra<D>::FLOATS * 4;                       \

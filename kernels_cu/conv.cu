@@ -10,14 +10,14 @@
 // the last W-1 input rows in registers, so each input row is read once (plus W-1 rows of
 // warm-up a run) instead of once per tap (the taps of other tokens came from L2). A head
 // vector's D/8 threads are adjacent lanes, so the L2 norm reduces with shuffles inside the
-// group. It writes every other buffer the stages expose in one pass: qkv_parts (the inputs
-// again, by part), conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those
-// bf16 values rounded again) and its fp32 widening q/k/v_f32, whose rows in [T, T_pad) get
-// pad_fill so the chunk kernels' guard past T is exercised.
+// group. It writes conv_out (conv + SiLU rounded to bf16, then for q/k the L2 norm of those
+// bf16 values rounded again), which the chunk kernels read. The copies the stages expose
+// besides (qkv_parts: the inputs by part; q/k/v_f32: conv_out widened) are
+// prefill_stage_copies', run only when something reads them: no kernel does, and they were
+// two thirds of this kernel's bytes.
 // Packed, each segment (segments.cuh) is its own sequence: runs of CONV_TOKENS padded rows
-// never straddle one (its rows start at a chunk), its rows before the first read its slot's
-// conv state (zeros without initial state), and its padded rows get pad_fill (0 there: the
-// chunk kernels then read every row, and zeros are exact no-ops of the WY form).
+// never straddle one (its rows start at a chunk), and its rows before the first read its
+// slot's conv state (zeros without initial state).
 static_assert(CHUNK % CONV_TOKENS == 0, "a conv run lies inside one chunk");
 
 // Input row r of a segment whose rows start at x (r < 0: its conv state, or zero).
@@ -32,9 +32,8 @@ __device__ __forceinline__ uint4 conv_input(const bf16* x, const bf16* state, bo
 template <int NW>
 __device__ __forceinline__ void conv_thread(
     const bf16* __restrict__ x, const bf16* __restrict__ state, const float* __restrict__ w,
-    bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, float* __restrict__ qf,
-    float* __restrict__ kf, float* __restrict__ vf, const int* __restrict__ segs, int nseg, int T,
-    int T_pad, int H, int D, int W, float pad_fill) {
+    bf16* __restrict__ conv_out, const int* __restrict__ segs, int nseg, int T, int T_pad, int H,
+    int D, int W) {
     const int group = D / 8;  // threads a head vector (8 or 16: groups never straddle a warp)
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long item = gid / group;
@@ -50,9 +49,8 @@ __device__ __forceinline__ void conv_thread(
     x += (u64)sg.row0 * conv_dim;
     state += (u64)sg.slot * (W - 1) * conv_dim;
     // The norm's shuffles name this group's lanes only: a warp may hold two groups of different
-    // runs, and a group in the padded tail skips the shuffles without leaving the loop.
+    // runs, which leave the loop over tokens at different rows (the segment's end).
     const unsigned gmask = (0xffffffffu >> (32 - group)) << ((threadIdx.x & 31) & ~(group - 1));
-    float* dst = (p == 0 ? qf : (p == 1 ? kf : vf)) + (u64)pr0 * qkv + (vec % H) * D + 8 * part;
     // Taps sit right-aligned in NW slots (tap j of W in slot NW - W + j), so every array
     // index is a compile-time constant and the window stays in registers; slots before the
     // first tap are skipped, never multiplied.
@@ -77,13 +75,7 @@ __device__ __forceinline__ void conv_thread(
             wr[k][4] = w1.x, wr[k][5] = w1.y, wr[k][6] = w1.z, wr[k][7] = w1.w;
         }
     }
-    for (int t = t0; t < t1; ++t) {
-        if (t >= sg.rows) {  // the whole group: t is shared
-            const float4 f = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
-            reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = f;
-            reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = f;
-            continue;
-        }
+    for (int t = t0; t < min(t1, sg.rows); ++t) {  // the whole group: t is shared
         const uint4 xin = conv_input(x, state, sg.init, conv_dim, W, t, c);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -108,7 +100,6 @@ __device__ __forceinline__ void conv_thread(
 #pragma unroll
         for (int k = 0; k < NW - 2; ++k) win[k] = win[k + 1];
         win[NW - 2] = xin;
-        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + sg.row0 + t) * qkv + c - p * qkv) = xin;
         // bf16 roundings a pair at a time (pack_bf16x2): Nsight Compute counted this kernel
         // 65% issue-bound, its largest instruction shares a bf16 rounding done in integer
         // arithmetic and the SiLU's exp and division
@@ -124,31 +115,22 @@ __device__ __forceinline__ void conv_thread(
         for (int o = group / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(gmask, ss, o);
         const float inv = p < 2 ? 1.0f / sqrtf(ss + L2_NORM_EPS) : 1.0f;  // v: y * 1 is y, exactly
         unsigned o[4];
-        float f[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            o[i] = pack_bf16x2(y[2 * i] * inv, y[2 * i + 1] * inv);
-            f[2 * i] = __uint_as_float(o[i] << 16);
-            f[2 * i + 1] = __uint_as_float(o[i] & 0xffff0000u);
-        }
+        for (int i = 0; i < 4; ++i) o[i] = pack_bf16x2(y[2 * i] * inv, y[2 * i + 1] * inv);
         *reinterpret_cast<uint4*>(conv_out + ((u64)sg.row0 + t) * conv_dim + c) =
             make_uint4(o[0], o[1], o[2], o[3]);
-        reinterpret_cast<float4*>(dst + (u64)t * qkv)[0] = make_float4(f[0], f[1], f[2], f[3]);
-        reinterpret_cast<float4*>(dst + (u64)t * qkv)[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
 }
 
 #define PREFILL_CONV_ARGS                                                                     \
     const bf16* __restrict__ qkv_proj, const bf16* __restrict__ state,                         \
-        const float* __restrict__ w, bf16* __restrict__ qkv_parts, bf16* __restrict__ conv_out, \
-        float* __restrict__ qf, float* __restrict__ kf, float* __restrict__ vf,                 \
-        const int* __restrict__ segs, int nseg, int T, int T_pad, int H, int D, int W, float pad_fill
+        const float* __restrict__ w, bf16* __restrict__ conv_out, const int* __restrict__ segs,  \
+        int nseg, int T, int T_pad, int H, int D, int W
 
 // Any width up to MAX_CONV_KERNEL, taps chosen at run time. Four blocks an SM, 64 registers a thread:
 // left free, ptxas takes 98 (two blocks an SM).
 extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
-    conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, segs, nseg, T,
-                                 T_pad, H, D, W, pad_fill);
+    conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, conv_out, segs, nseg, T, T_pad, H, D, W);
 }
 
 // The width of every Kimi Linear checkpoint, as a literal: no tap is tested at run time, the
@@ -156,8 +138,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFIL
 // three blocks an SM, faster than the generic kernel: docs/perf-log.md, v10).
 // kernels.py launches it when W == 4, so its W argument is always 4.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_conv_qkv_w4(PREFILL_CONV_ARGS) {
-    conv_thread<4>(qkv_proj, state, w, qkv_parts, conv_out, qf, kf, vf, segs, nseg, T, T_pad, H, D,
-                   4, pad_fill);
+    conv_thread<4>(qkv_proj, state, w, conv_out, segs, nseg, T, T_pad, H, D, 4);
+}
+
+// The stages' copies of the conv's input and output, for a stage hook: qkv_proj's q|k|v by
+// part into qkv_parts [3, T, qkv] (packed rows), and conv_out's widened to fp32 into q/k/v
+// [T_pad, qkv] (a segment's padded rows from its first chunk, pad_fill past its tokens). A
+// thread per 8 channels of a padded row.
+extern "C" __global__ void prefill_stage_copies(const bf16* __restrict__ qkv_proj,
+                                                const bf16* __restrict__ conv_out,
+                                                bf16* __restrict__ qkv_parts,
+                                                float* __restrict__ q, float* __restrict__ k,
+                                                float* __restrict__ v,
+                                                const int* __restrict__ segs, int nseg, int T,
+                                                int T_pad, int qkv, float pad_fill) {
+    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int per_row = 3 * qkv / 8;
+    if (gid >= (long long)T_pad * per_row) return;
+    const int pr = (int)(gid / per_row), c = (int)(gid % per_row) * 8, p = c / qkv;
+    const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, pr / CHUNK), T);
+    const int t = pr - sg.chunk0 * CHUNK;
+    float f[8];
+    if (t < sg.rows) {
+        const u64 row = (u64)sg.row0 + t;
+        *reinterpret_cast<uint4*>(qkv_parts + ((u64)p * T + row) * qkv + c - p * qkv) =
+            *reinterpret_cast<const uint4*>(qkv_proj + row * 3 * qkv + c);
+        unpack8(*reinterpret_cast<const uint4*>(conv_out + row * 3 * qkv + c), f);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = pad_fill;
+    }
+    float* dst = (p == 0 ? q : (p == 1 ? k : v)) + (u64)pr * qkv + c - p * qkv;
+    reinterpret_cast<float4*>(dst)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
 // After prefill_conv_qkv, a block row a segment (blockIdx.y): its checkpoint slots get the W-1

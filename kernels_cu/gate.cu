@@ -1,7 +1,7 @@
 // Forget gate and beta for prefill, grid-parallel over tokens (decode computes the same
-// values in the low-rank GEMV epilogue). Rows past a segment's tokens are written as zeros: the
-// core never reads them in a plain prefill, and a packed one's chunk kernels read them as the
-// exact no-ops gate = beta = 0 (segments.cuh: a segment's padded rows from its packed ones).
+// values in the low-rank GEMV epilogue). Rows past a segment's tokens (segments.cuh: a
+// segment's padded rows from its packed ones) are written as pad_fill, 0 unless a test primes
+// them: the chunk kernels select them away.
 #include "gate.cuh"
 #include "segments.cuh"
 
@@ -14,7 +14,7 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
                                          float* __restrict__ gate, float* __restrict__ beta,
                                          const int* __restrict__ segs, int nseg, int T,
                                          int T_pad, int H, int D, float lower_bound,
-                                         int bounded) {
+                                         int bounded, float pad_fill) {
     const int groups = H * D / 8;
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_pad * groups) return;
@@ -23,8 +23,8 @@ extern "C" __global__ void kda_gate_beta(const bf16* __restrict__ g_raw,
     const int local = pt - sg.chunk0 * CHUNK, t = sg.row0 + local;  // t: packed row
     float4* out = reinterpret_cast<float4*>(gate + (u64)pt * H * D + c);
     if (local >= sg.rows) {
-        out[0] = out[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (cg < H) beta[(u64)pt * H + cg] = 0.0f;
+        out[0] = out[1] = make_float4(pad_fill, pad_fill, pad_fill, pad_fill);
+        if (cg < H) beta[(u64)pt * H + cg] = pad_fill;
         return;
     }
     float x[8];

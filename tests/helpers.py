@@ -69,10 +69,19 @@ class Env:
         conv = np.zeros(conv_shape(self.cfg)) if conv is None else conv
         return reference.layer(self.cfg, self.tensors, hidden, recurrent, conv, chunked)
 
-    def prefill(self, hidden, state, pad_fill=0.0):
+    def prefill(self, hidden, state, pad_fill=0.0, stage_copies=False):
+        """final_out of a prefill on a poisoned workspace; with stage_copies, under a stage
+        hook that keeps nothing, so the stage copies no kernel reads (qkv_parts, q/k/v_f32)
+        are filled as well."""
         h = self.gpu.upload(hidden)
         self.ws.poison(0)
-        self.layer.prefill_with_pad_fill(self.gpu, h, hidden.shape[0], state, self.ws, pad_fill, 0)
+        if stage_copies:
+            self.layer.stage_hook = lambda stage, gpu, stream: None
+        try:
+            self.layer.prefill_with_pad_fill(self.gpu, h, hidden.shape[0], state, self.ws,
+                                             pad_fill, 0)
+        finally:
+            self.layer.stage_hook = None
         out = self.ws.read("final_out", hidden.shape[0])
         self.gpu.free(h)
         return out

@@ -39,7 +39,7 @@ def test_prefill_stage_local(env):
     R, C = env.warm_state(seed=3)
     state = env.state(R, C)
     h = random_hidden(T, cfg.hidden_size, seed=4)
-    env.prefill(h, state)
+    env.prefill(h, state, stage_copies=True)
     rd = lambda name: ws.read(name, T).astype(np.float64)  # noqa: E731
     p = reference.projections(env.tensors, h)
     assert rel(rd("qkv_parts"), np.stack([p["q"], p["k"], p["v"]])) < BF16_OUT_TOL
@@ -53,7 +53,7 @@ def test_prefill_stage_local(env):
     # prefill rounds conv+SiLU to bf16 before the L2 norm, so two bf16 roundings
     assert rel(rd("conv_out"), conv) < 2 * BF16_OUT_TOL
     H, D = cfg.num_heads, cfg.head_dim
-    qkv = [rd(n)[:T].reshape(T, H, D) for n in ("q_f32", "k_f32", "v_f32")]
+    qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)  # what the core reads
     core, S = reference.core_recurrent(cfg, *qkv, rd("gate")[:T], rd("beta")[:T], R)
     assert rel(rd("core")[:T], core) < FP32_TOL
     assert rel(state.download()[0], S) < FP32_TOL
@@ -121,10 +121,14 @@ def test_poisoned_pad_changes_nothing(env, T, fill):
     h = random_hidden(T, env.cfg.hidden_size, seed=61)
     zero_state, poison_state = env.state(R, C), env.state(R, C)
     zero_out = env.prefill(h, zero_state, pad_fill=0.0)
+    assert np.isfinite(zero_out.astype(np.float32)).all()  # NaN in conv_out past T never read
     zero_core = env.ws.read("core", T)[:T]
     poison_out = env.prefill(h, poison_state, pad_fill=fill)
-    q_tail = env.ws.read("q_f32", T)[T:]
-    assert q_tail.size == 0 or np.array_equal(q_tail, np.full_like(q_tail, fill), equal_nan=True)
+    # the padded rows the chunk kernels could read hold the fill (conv_out's rows past T: the
+    # poisoned workspace's NaN)
+    for name in ("gate", "beta"):
+        tail = env.ws.read(name, T)[T:]
+        assert tail.size == 0 or np.array_equal(tail, np.full_like(tail, fill), equal_nan=True)
     assert np.array_equal(bits(poison_out), bits(zero_out))
     assert np.array_equal(bits(env.ws.read("core", T)[:T]), bits(zero_core))
     for a, b in zip(poison_state.download(), zero_state.download()):
@@ -159,3 +163,19 @@ def test_stack_free_releases_everything(ckpts):
     stack.free(gpu)
     with pytest.raises(KdaError, match="not the start of a live allocation"):
         gpu.free(w_in)
+
+
+@pytest.mark.parametrize("stage_copies", [False, True])
+def test_stage_copies_only_for_a_stage_hook(env, stage_copies):
+    """No kernel reads qkv_parts or q/k/v_f32 (the chunk kernels read conv_out), so a prefill
+    writes them only under a stage hook: without one the poisoned workspace keeps its NaN
+    there; with one every row is written. Nothing else changes."""
+    T = 70
+    h, (R, C) = random_hidden(T, env.cfg.hidden_size, seed=62), env.warm_state(63)
+    out = env.prefill(h, env.state(R, C), stage_copies=stage_copies)
+    for name in ("qkv_parts", "q_f32", "k_f32", "v_f32"):
+        x = env.ws.read(name, T).astype(np.float32)
+        assert np.isnan(x).all() if not stage_copies else not np.isnan(x).any(), name
+    assert not np.isnan(env.ws.read("conv_out", T).astype(np.float32)).any()
+    assert np.array_equal(bits(out), bits(env.prefill(h, env.state(R, C),
+                                                      stage_copies=not stage_copies)))
