@@ -212,6 +212,18 @@ def _kda_decode_batch(D):
     return run
 
 
+def _kda_decode_rows_slot(D):
+    def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
+            o_norm_out, slots, sync, H, W, scale, eps):
+        slot = int(gpu.view(slots, 1, np.int32)[0])
+        if slot >= 0:
+            rec, cst = _state_bytes(H, D, W)
+            _decode_sequence(gpu, D, x, conv_pool + slot * cst, conv_w, conv_out, gate, beta,
+                             rec_pool + slot * rec, core, out_gate, o_norm_w, o_norm_out, [], 0,
+                             1, H, W, scale, eps)
+    return run
+
+
 def _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                      o_norm_w, o_norm_out, snaps, row0, nrows, H, W, scale, eps):
     """Rows row0.. of one sequence in order; the states after row r go to snaps[r] (a pair of
@@ -352,7 +364,8 @@ HOST_KERNELS: dict[str, dict] = {
              "prefill_stage_copies": prefill_stage_copies,
              "conv_roll_state": conv_roll_state},
     "recurrent": {**{f"kda_decode_rows_d{d}": _kda_decode_rows(d) for d in (64, 128)},
-                  **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)}},
+                  **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)},
+                  **{f"kda_decode_rows_slot_d{d}": _kda_decode_rows_slot(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
     "chunk_portable": {f"kda_chunk_inter_portable_d{d}": _kda_chunk_inter(d) for d in (64, 128)},

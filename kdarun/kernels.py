@@ -426,12 +426,20 @@ class Glm5NextKdaKernels:
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
         (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
         kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
-        batch splits each head's state rows over more blocks (`_batch_split`)."""
+        batch splits each head's state rows over more blocks (`_batch_split`). One sequence of
+        one row takes decode's own launch at its slot (`batch_rows_kernel`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
+        if self.batch_rows_kernel(nseq, nrows) != f"kda_decode_batch_d{c.head_dim}":
+            cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
+            self._launch("recurrent", f"kda_decode_rows_slot_d{c.head_dim}", cfg,
+                         (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
+                          o_norm_w, o_norm_out, slots, sync, i32(c.num_heads),
+                          i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+            return
         split = self._batch_split(nseq)
         smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)
         cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem)
@@ -440,6 +448,13 @@ class Glm5NextKdaKernels:
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
                       sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
                       i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+
+    def batch_rows_kernel(self, nseq: int, nrows: int) -> str:
+        """The entry kda_decode_batch launches: decode's own (`kda_decode_rows_slot`) for one
+        sequence of one row, where the batch kernel's split blocks each convolve the head again
+        and cost more than decode's; kda_decode_batch otherwise."""
+        d = self.cfg.head_dim
+        return f"kda_decode_rows_slot_d{d}" if nseq == 1 and nrows == 1 else f"kda_decode_batch_d{d}"
 
     def _batch_split(self, nseq: int) -> int:
         """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,

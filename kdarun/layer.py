@@ -310,7 +310,7 @@ class Glm5NextKdaLayer:
         snapshot_slots[i, r] (-1: skipped)."""
         c, w, rows = self.cfg, self.weights, b * k
         return [self._front_end_step(hidden, rows, ws),
-                Step("decode_rows", f"kda_decode_batch_d{c.head_dim}",
+                Step("decode_rows", self.kernels.batch_rows_kernel(b, k),
                      ("conv_out", "core", "o_norm_out"),
                      lambda s: self.kernels.kda_decode_batch(
                          s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,

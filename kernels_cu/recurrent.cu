@@ -498,8 +498,26 @@ __device__ __forceinline__ void decode_batch(
                         snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0), sync + (u64)b * H,   \
                         nrows, nsnap, H, W, scale, eps);                                        \
     }
+// Batched decode of one sequence and one token: decode's own launch at the pool slot the device
+// table names (< 0: a padding row, nothing read or written), so the batch of one costs what
+// decode costs, its bits are decode's, and a captured graph replays with a new table.
+#define KDA_DECODE_ROWS_SLOT(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_rows_slot_d##D(              \
+        const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate,  \
+        const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
+        const float* o_norm_w, bf16* o_norm_out, const int* slots, int* sync, int H, int W,     \
+        float scale, float eps) {                                                               \
+        const int slot = slots[0];                                                              \
+        if (slot < 0) return;                                                                   \
+        decode_rows<D, DECODE_SPLIT>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w,    \
+                                     conv_out, gate, beta, rec_pool + (u64)slot * H * D * D,    \
+                                     core, out_gate, o_norm_w, o_norm_out, nullptr, nullptr,    \
+                                     sync, 1, 0, H, W, scale, eps);                             \
+    }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
+KDA_DECODE_ROWS_SLOT(64)
+KDA_DECODE_ROWS_SLOT(128)
 KDA_DECODE_BATCH(64)
 KDA_DECODE_BATCH(128)
 extern "C" {  // the most a launch takes (split 1, MAX_DECODE_ROWS rows); a launch passes its own

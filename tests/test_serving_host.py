@@ -24,6 +24,13 @@ def test_decode_batch_bit_identical_to_decode(env, B):
     assert_batch_matches_single(env, B, 1, seed=10 + B)
 
 
+def test_decode_batch_of_one_is_decode(env):
+    """A batch of one sequence and no padding takes decode's own launch at its slot
+    (`batch_rows_kernel`): bit-identical to decode, other slots untouched."""
+    assert env.layer.kernels.batch_rows_kernel(1, 1).startswith("kda_decode_rows_slot")
+    assert_batch_matches_single(env, 1, 1, seed=19, pad=0)
+
+
 @pytest.mark.parametrize("B, K", [(1, 2), (3, 4), (8, 3)])
 def test_verify_batch_bit_identical_to_decode_k(env, B, K):
     assert_batch_matches_single(env, B, K, seed=20 + B, pad=1)

@@ -23,6 +23,13 @@ def test_decode_batch_bit_identical_to_decode(pair, B):
     assert_batch_matches_single(cu, B, 1, seed=100 + B)
 
 
+def test_decode_batch_of_one_is_decode(pair):
+    """A batch of one sequence and no padding takes decode's own launch at its slot: bit-
+    identical to decode, other slots untouched."""
+    cu, _ = pair
+    assert_batch_matches_single(cu, 1, 1, seed=199, pad=0)
+
+
 @pytest.mark.parametrize("B, K", [(3, 4), (20, 8), (64, 4)])
 def test_verify_batch_bit_identical_to_decode_k(pair, B, K):
     cu, _ = pair
