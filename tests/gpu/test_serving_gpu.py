@@ -23,11 +23,21 @@ def test_decode_batch_bit_identical_to_decode(pair, B):
     assert_batch_matches_single(cu, B, 1, seed=100 + B)
 
 
-def test_decode_batch_of_one_is_decode(pair):
-    """A batch of one sequence and no padding takes decode's own launch at its slot: bit-
-    identical to decode, other slots untouched."""
+def test_decode_batch_of_one_is_decode(pair, monkeypatch):
+    """A batch of one sequence takes decode's own launch at its slot (checked by the launches
+    it makes): bit-identical to decode, other slots untouched; a batch of one padding row (-1)
+    touches no slot."""
     cu, _ = pair
+    kn, launched = cu.layer.kernels, []
+    launch = kn._launch
+    monkeypatch.setattr(kn, "_launch", lambda family, name, *rest: (launched.append(name),
+                                                                     launch(family, name, *rest)))
+    slot_kernel = f"kda_decode_rows_slot_d{cu.cfg.head_dim}"
     assert_batch_matches_single(cu, 1, 1, seed=199, pad=0)
+    assert slot_kernel in launched
+    launched.clear()
+    assert_batch_matches_single(cu, 0, 1, seed=198, pad=1)
+    assert slot_kernel in launched
 
 
 @pytest.mark.parametrize("B, K", [(3, 4), (20, 8), (64, 4)])
