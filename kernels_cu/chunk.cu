@@ -12,9 +12,10 @@
 //     one bulk copy stages each and its inner loops convert nothing); the next operands land
 //     while the current products run.
 // q, k and v come from conv_out (bf16, each segment's tokens); rows past a segment's tokens
-// are zero on load: conv_out's are never read, the padded gate's and beta's selected away
-// (never multiplied), so NaN or 1e30 primed into the padded tail can reach neither the outputs
-// nor the state. Decays are exponentiated as
+// are zero on load: conv_out's past them are never read (their loads read the segment's last
+// token, then are selected away), the padded gate's and beta's selected away (never
+// multiplied), so NaN or 1e30 primed into the padded tail can reach neither the outputs nor
+// the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "chunk.cuh"
@@ -43,12 +44,14 @@ __device__ unsigned long long phase_cycles[16];
 
 __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 0.0f; }
 
-// 4 bf16 at p (8-byte aligned), widened exactly; zeros where !ok (then p is not read).
+// 4 bf16 at p (8-byte aligned), widened exactly, or zeros where !ok. The caller points p at a
+// row that exists either way (the chunk's last token for rows past it), so every load of a
+// phase is issued unconditionally and all are in flight at once; the select drops its value.
 __device__ __forceinline__ float4 load4_bf16(bool ok, const bf16* p) {
-    if (!ok) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
-                       __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+    return ok ? make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                            __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u))
+              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
@@ -156,7 +159,7 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict_
 #pragma unroll
             for (int it = 0; it < IT; ++it) {
                 const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
-                const bf16* xr = xq + (u64)r * 3 * qkv + d0 + c4;
+                const bf16* xr = xq + (u64)min(r, valid - 1) * 3 * qkv + d0 + c4;
                 kv[it] = load4_bf16(r < valid, xr + qkv);
                 qv[it] = load4_bf16(r < valid, xr);
             }
@@ -364,7 +367,8 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict_
         if (col < D) {
 #pragma unroll
             for (int r = 0; r < SB; ++r)
-                rhs[r] = r0 + r < valid ? bf2f(xq[(u64)(r0 + r) * 3 * qkv + 2 * qkv + dc]) : 0.0f;
+                rhs[r] = pick(r0 + r < valid,  // a row that exists: every load in flight
+                              bf2f(xq[(u64)min(r0 + r, valid - 1) * 3 * qkv + 2 * qkv + dc]));
         } else if (col < 2 * D) {
 #pragma unroll
             for (int r = 0; r < SB; ++r) rhs[r] = w_out[blk + park_word<D>(r0 + r, dc)];
