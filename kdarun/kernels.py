@@ -433,9 +433,9 @@ class Glm5NextKdaKernels:
         self._rows_check("kda_decode_batch", nrows, nsnap)
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
-        if self.batch_rows_kernel(nseq, nrows) != f"kda_decode_batch_d{c.head_dim}":
+        if self._batch_of_one(nseq, nrows):
             cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
-            self._launch("recurrent", f"kda_decode_rows_slot_d{c.head_dim}", cfg,
+            self._launch("recurrent", self.batch_rows_kernel(nseq, nrows), cfg,
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                           o_norm_w, o_norm_out, slots, sync, i32(c.num_heads),
                           i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
@@ -454,7 +454,12 @@ class Glm5NextKdaKernels:
         sequence of one row, where the batch kernel's split blocks each convolve the head again
         and cost more than decode's; kda_decode_batch otherwise."""
         d = self.cfg.head_dim
-        return f"kda_decode_rows_slot_d{d}" if nseq == 1 and nrows == 1 else f"kda_decode_batch_d{d}"
+        return (f"kda_decode_rows_slot_d{d}" if self._batch_of_one(nseq, nrows)
+                else f"kda_decode_batch_d{d}")
+
+    @staticmethod
+    def _batch_of_one(nseq: int, nrows: int) -> bool:
+        return nseq == 1 and nrows == 1
 
     def _batch_split(self, nseq: int) -> int:
         """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,

@@ -80,12 +80,12 @@ StageHook = Callable[[Stage, GpuBackend, int], None]
 _WRITE = re.compile(r"(state\.)?(\w+)(?:\[(\d+)\])?")
 
 
-@functools.cache
 def _check_state(state: object, what: str) -> None:
     if not isinstance(state, KdaSeqState):
         raise KdaError(f"{what}: the state must be a KdaSeqState, got {type(state).__name__}")
 
 
+@functools.cache
 def _rows_writes(row: int, n: int, nsnap: int) -> tuple[str, ...]:
     """What decode's walk over rows [row, row+n) writes: each row's outputs, and the states
     after the first nsnap rows and after the last (cached: decode asks every call)."""

@@ -1108,6 +1108,8 @@ def test_single_sequence_calls_check_their_buffers_before_the_state_moves(bound)
     other = KdaSeqState(gpu, cfg)
     for call, pattern in [
         (lambda: layer.decode(gpu, h, None, ws, 0), "decode: the state must be a KdaSeqState"),
+        (lambda: layer.decode(gpu, h, [state], ws, 0),
+         "decode: the state must be a KdaSeqState, got list"),
         (lambda: layer.decode(gpu, None, state, ws, 0), "decode: hidden must be a device pointer"),
         (lambda: layer.decode_k(gpu, h, 2, state, ws, [other], 0),
          r"snapshot 0 must be a \(recurrent, conv\) pair of device pointers"),
