@@ -55,7 +55,6 @@ DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
-PORTABLE_WALK_THREADS = 2 * WALK_ROWS  # kda_chunk_inter_portable's: a warp per 16 rows (MMA m)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
@@ -93,6 +92,21 @@ def decode_batch_smem(cc: int, head_dim: int, rows: int, nrows: int) -> int:
     return 4 * ((rows * head_dim if decode_batch_bulk(cc) else 0) + 7 * nrows * head_dim)
 
 
+def portable_walk_split(cc: int) -> int:
+    """Warps that share each 16 state rows (the MMA's m) of kda_chunk_inter_portable, each
+    carrying D / split of the state's columns: two where a block's shared memory holds the
+    operand ring beside the exchange of their partial products (163 KB and more), else one.
+    The walk is latency-bound with one warp a scheduler; halving each warp's products per chunk
+    shortens the chain every chunk waits on."""
+    return 2 if smem_per_block(cc) >= 160 * 1024 else 1
+
+
+def portable_walk_threads(cc: int) -> int:
+    """kda_chunk_inter_portable's block on compute capability `cc`: portable_walk_split warps
+    per 16 of the WALK_ROWS state rows."""
+    return 32 * (WALK_ROWS // 16) * portable_walk_split(cc)
+
+
 def compile_defines(cc: int = 90) -> tuple[str, ...]:
     """The -D flags every build of kernels_cu/ for compute capability `cc` takes: the geometry
     above, the block's shared-memory limit there, and the facts of config.py the kernels share
@@ -109,7 +123,8 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "DECODE_BATCH_BLOCKS_PER_SM": decode_batch_blocks_per_sm(cc),
               "DECODE_BATCH_BULK": int(decode_batch_bulk(cc)),
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
-              "PORTABLE_WALK_THREADS": PORTABLE_WALK_THREADS, "SEG_FIELDS": SEG_FIELDS,
+              "PORTABLE_WALK_SPLIT": portable_walk_split(cc),
+              "PORTABLE_WALK_THREADS": portable_walk_threads(cc), "SEG_FIELDS": SEG_FIELDS,
               "SMEM_PER_BLOCK": smem_per_block(cc)}
     return tuple(f"-D{name}={value}" for name, value in values.items())
 
@@ -506,8 +521,8 @@ class Glm5NextKdaKernels:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
         [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one warpgroup on
-        warpgroup MMAs (the Hopper walk), or a warp per 16 rows on mma.sync (the portable walk),
-        as `self.core` says. With `segs` each segment walks its chunks from state [slots, H, Dv,
+        warpgroup MMAs (the Hopper walk), or portable_walk_split warps per 16 rows on mma.sync
+        (the portable walk), as `self.core` says. With `segs` each segment walks its chunks from state [slots, H, Dv,
         Dk] at its slot (zero without initial state), writes the state back there and to its
         checkpoints' slots, and its core rows at its packed rows."""
         c = self.cfg
@@ -516,7 +531,8 @@ class Glm5NextKdaKernels:
         # segments share a block's walk in turn: as many blocks as one wave holds (a block an
         # SM), each a stream of chunks, where more would wait for a second wave
         z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
-        family, threads = (("chunk_portable", PORTABLE_WALK_THREADS) if self.core == "portable"
+        family, threads = (("chunk_portable", portable_walk_threads(self.cc))
+                           if self.core == "portable"
                            else ("chunk", WALK_THREADS))
         self._launch(family, self.chunk_inter_name,
                      LaunchConfig((H, D // WALK_ROWS, z), (threads, 1, 1)),

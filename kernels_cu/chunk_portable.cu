@@ -10,10 +10,15 @@
 // every product 3xBF16 from split words (mma3), so it computes what the Hopper walk computes
 // to fp32 rounding, in another summation order.
 //
-// A warp carries 16 rows of S^T (the MMA's m) with all D columns as fp32 accumulator fragments,
-// so no product is split over warps and nothing is reduced across them; an accumulator's
-// fragments are the next product's A operand (frag_of), and the B operands come from shared
-// memory by ldmatrix (.trans for w, whose image is MN-major).
+// KS warps (PORTABLE_WALK_SPLIT) carry 16 rows of S^T (the MMA's m), each D / KS of its columns
+// as fp32 accumulator fragments: the walk is a chain of dependent products, latency-bound with
+// one warp a scheduler, and KS warps a row group shorten each chunk's chain KS times. W^T and
+// O^T sum over D, so each warp forms its partial products over its columns for the whole chunk
+// and the pair swaps them through shared memory (each gets the other's W^T and its own half of
+// O^T's columns); both then hold the same v^T, and each finishes O^T for C / KS tokens and
+// updates its own columns of S. An accumulator's fragments are the next product's A operand
+// (frag_of); the B operands come from shared memory by ldmatrix (.trans for w, whose image is
+// MN-major).
 // A chunk's operands arrive as four pieces, in the order the products take them: w; qg; u's
 // slice with Aqk; kd with gl. Each piece is one slot of a ring of PWalk::STAGES slots filled
 // by cp.async, STAGES - 1 pieces ahead of the products, so the ring's size, not the chunk's
@@ -23,17 +28,23 @@
 
 template <int D>
 struct PWalk {
-    static_assert(PORTABLE_WALK_THREADS == 32 * (WALK_ROWS / 16), "a warp per 16 state rows");
+    static constexpr int KS = PORTABLE_WALK_SPLIT;  // warps a row group of 16, D / KS columns each
+    static_assert(KS == 1 || KS == 2, "one warp a row group, or a pair splitting D");
+    static_assert(PORTABLE_WALK_THREADS == 32 * KS * (WALK_ROWS / 16), "KS warps per 16 rows");
     static constexpr int IMG = CHUNK * D * 4;  // w, qg, kd: hi then lo plane, bytes
     static constexpr int U_BYTES = CHUNK * WALK_ROWS * 4, A_BYTES = CHUNK * CHUNK * 4;
     static constexpr int GL_BYTES = D * 4;
     static constexpr int SLOT = IMG + GL_BYTES > U_BYTES + A_BYTES ? IMG + GL_BYTES
                                                                    : U_BYTES + A_BYTES;
-    // as many slots as the block's shared memory holds, up to a chunk's four pieces
-    static constexpr int FIT = SMEM_PER_BLOCK / SLOT;
+    // the pair's swap, [warp][word][lane] fp32: a thread's partial W^T (C / 2 words), then
+    // its partner's C / 4 of partial O^T
+    static constexpr int XW = KS == 1 ? 0 : CHUNK / 2 + CHUNK / 4;
+    static constexpr int XCH = XW * PORTABLE_WALK_THREADS * 4;
+    // as many slots as the block's shared memory holds beside the swap, up to a chunk's four
+    static constexpr int FIT = (SMEM_PER_BLOCK - XCH) / SLOT;
     static constexpr int STAGES = FIT < 4 ? FIT : 4;
     static_assert(STAGES >= 3, "two pieces in flight behind the one the products read");
-    static constexpr int BYTES = STAGES * SLOT;
+    static constexpr int BYTES = STAGES * SLOT + XCH;
 };
 
 // Eight b16 rows of four 8 x 8 tiles, transposed: lane 8 j + i names row i of tile j, and r[j]
@@ -83,15 +94,20 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
                               float* __restrict__ state, float* __restrict__ core,
                               const int* __restrict__ segs, int nseg, int T, int H) {
     using L = PWalk<D>;
-    constexpr int KD = D / 16, KC = CHUNK / 16;  // k-steps over D and over C
-    constexpr int NC = CHUNK / 8, ND = D / 8;    // n-tiles over C and over D
+    constexpr int KS = L::KS, RW = WALK_ROWS / 16;  // warps a row group; row groups
+    constexpr int KD = D / 16, KC = CHUNK / 16;     // k-steps over D and over C
+    constexpr int NC = CHUNK / 8, ND = D / 8;       // n-tiles over C and over D
+    constexpr int KDW = KD / KS, NDW = ND / KS, NCW = NC / KS;  // a warp's share of each
     extern __shared__ __align__(16) unsigned char smb[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     // What this block walks: head h, state rows v0 .. v0 + WALK_ROWS - 1, and segments
     // blockIdx.z, + gridDim.z, ... (segments.cuh) one after another as one stream of chunks, so
     // the ring runs ahead across a segment's end.
     const int h = blockIdx.x, slice = blockIdx.y, v0 = slice * WALK_ROWS, zs = gridDim.z;
-    const int vr = 16 * warp + g;  // this thread's rows of the slice: vr, vr + 8
+    const int vr = 16 * (warp % RW) + g;  // this thread's rows of the slice: vr, vr + 8
+    // this warp's share: S^T columns d0 .. d0 + D / KS - 1 (D's k-steps from half KDW), O^T's
+    // n-tiles j0 .. j0 + NCW - 1
+    const int half = warp / RW, d0 = half * (D / KS), j0 = half * NCW;
     int nchunks = 0;
     for (int si = blockIdx.z; si < nseg; si += zs) nchunks += segment_at(segs, si, T).chunks;
 
@@ -135,13 +151,19 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
         return smb + (piece++ % L::STAGES) * L::SLOT;
     };
     for (int p = 0; p < L::STAGES - 1; ++p) issue(p);
+    // the pair's swap: this thread's words and its partner's (the same rows, the other half);
+    // written before a piece's barrier and read after it, and not written again before the
+    // chunk's last piece's barrier
+    float* const mine = reinterpret_cast<float*>(smb + L::STAGES * L::SLOT) + warp * L::XW * 32 + lane;
+    const float* const theirs = reinterpret_cast<const float*>(smb + L::STAGES * L::SLOT) +
+                                (warp + RW) % (KS * RW) * L::XW * 32 + lane;
 
-    // S^T rows vr (+ 8), columns 8 j + 2 t4 (+ 1): n-tile j of the warp's m16nD accumulator, at
-    // this thread's offset in a slot's state
-    const u64 slot_floats = (u64)H * D * D, at = ((u64)h * D + v0 + vr) * D + 2 * t4;
-    auto store_state = [&](float* st, const float (&x)[D / 2]) {
+    // S^T rows vr (+ 8), columns d0 + 8 j + 2 t4 (+ 1): n-tile j of the warp's m16n(D / KS)
+    // accumulator, at this thread's offset in a slot's state
+    const u64 slot_floats = (u64)H * D * D, at = ((u64)h * D + v0 + vr) * D + d0 + 2 * t4;
+    auto store_state = [&](float* st, const float (&x)[D / 2 / KS]) {
 #pragma unroll
-        for (int j = 0; j < ND; ++j) {
+        for (int j = 0; j < NDW; ++j) {
             *reinterpret_cast<float2*>(st + 8 * j) = make_float2(x[4 * j], x[4 * j + 1]);
             *reinterpret_cast<float2*>(st + 8 * D + 8 * j) =
                 make_float2(x[4 * j + 2], x[4 * j + 3]);
@@ -150,28 +172,30 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
     for (int si = blockIdx.z; si < nseg; si += zs) {
         const Segment sg = segment_at(segs, si, T);
         float* st = state + sg.slot * slot_floats + at;
-        float S[D / 2];
+        float S[D / 2 / KS];
 #pragma unroll
-        for (int j = 0; j < ND; ++j) {  // a sequence without initial state starts from zero
+        for (int j = 0; j < NDW; ++j) {  // a sequence without initial state starts from zero
             const float2 a = sg.init ? *reinterpret_cast<const float2*>(st + 8 * j) : float2{};
             const float2 b =
                 sg.init ? *reinterpret_cast<const float2*>(st + 8 * D + 8 * j) : float2{};
             S[4 * j] = a.x, S[4 * j + 1] = a.y, S[4 * j + 2] = b.x, S[4 * j + 3] = b.y;
         }
 
-        // acc, acc_e += S^T's rows times an operand image's [D][C] (b(s, n0): its fragment
-        // of k-step s, n-tile n0), S^T's fragments split as each k-step needs them
+        // acc, acc_e += this warp's columns of S^T's rows times theirs of an operand image's
+        // [D][C] (b(s, n0): its fragment of k-step s, n-tile n0), S^T's fragments split as
+        // each k-step needs them
         auto times_s = [&](float (&acc)[CHUNK / 2], float (&acc_e)[CHUNK / 2], auto b) {
 #pragma unroll
-            for (int s = 0; s < KD; ++s) {
+            for (int s = 0; s < KDW; ++s) {
                 Frag a;
                 frag_of(S + 8 * s, S + 8 * s + 4, a.hi, a.lo);
 #pragma unroll
-                for (int j = 0; j < NC; ++j) mma3(acc + 4 * j, acc_e + 4 * j, a, b(s, 8 * j));
+                for (int j = 0; j < NC; ++j)
+                    mma3(acc + 4 * j, acc_e + 4 * j, a, b(half * KDW + s, 8 * j));
             }
         };
         for (int ci = 0; ci < sg.chunks; ++ci) {
-            // W^T and O^T's first term
+            // W^T and O^T's first term (over this warp's columns of S)
             float P[CHUNK / 2] = {}, Pe[CHUNK / 2] = {};
             const unsigned* wimg = reinterpret_cast<const unsigned*>(next());
             times_s(P, Pe, [&](int s, int n0) { return frag_w<D>(wimg, s, n0, lane); });
@@ -180,9 +204,31 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             float O[CHUNK / 2] = {}, Oe[CHUNK / 2] = {};
             const unsigned* qimg = reinterpret_cast<const unsigned*>(next());
             times_s(O, Oe, [&](int s, int n0) { return frag_img<CHUNK, D>(qimg, s, n0, lane); });
+            // Of, Ofe: O^T's n-tiles j0 .. that this warp finishes; with a pair, the partner's
+            // n-tiles and the whole partial W^T go to the swap
+            float Of[4 * NCW], Ofe[4 * NCW];
+#pragma unroll
+            for (int k = 0; k < 4 * NCW; ++k) {
+                if constexpr (KS == 1) {
+                    Of[k] = O[k], Ofe[k] = Oe[k];
+                } else {
+                    const float lo = O[k] + Oe[k], hi = O[4 * NCW + k] + Oe[4 * NCW + k];
+                    Of[k] = half ? hi : lo, Ofe[k] = 0.0f;
+                    mine[(CHUNK / 2 + k) * 32] = half ? lo : hi;
+                }
+            }
+            if constexpr (KS == 2)
+#pragma unroll
+                for (int i = 0; i < CHUNK / 2; ++i) mine[i * 32] = P[i];
 
-            // v^T = u^T - W^T, its fragments; O^T += v^T Aqk^T
+            // v^T = u^T - W^T, its fragments (the same in both warps of a pair); O^T += v^T Aqk^T
             const unsigned char* ua = next();
+            if constexpr (KS == 2) {
+#pragma unroll
+                for (int i = 0; i < CHUNK / 2; ++i) P[i] += theirs[i * 32];
+#pragma unroll
+                for (int k = 0; k < 4 * NCW; ++k) Of[k] += theirs[(CHUNK / 2 + k) * 32];
+            }
             const float* us = reinterpret_cast<const float*>(ua);
             const unsigned* aimg = reinterpret_cast<const unsigned*>(ua + L::U_BYTES);
 #pragma unroll
@@ -197,35 +243,37 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
 #pragma unroll
             for (int s = 0; s < KC; ++s)
 #pragma unroll
-                for (int j = 0; j < NC; ++j)
-                    mma3(O + 4 * j, Oe + 4 * j, V[s], frag_img<CHUNK, CHUNK>(aimg, s, 8 * j, lane));
+                for (int j = 0; j < NCW; ++j)
+                    mma3(Of + 4 * j, Ofe + 4 * j, V[s],
+                         frag_img<CHUNK, CHUNK>(aimg, s, 8 * (j0 + j), lane));
             // O^T rows vr (+ 8) = core[row0 + t][h][v0 + vr (+ 8)], t < rows: the packed rows
             const int c0 = ci * CHUNK;  // the segment's own token
 #pragma unroll
-            for (int j = 0; j < NC; ++j)
+            for (int j = 0; j < NCW; ++j)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int t = c0 + 8 * j + 2 * t4 + (i & 1);
+                    const int t = c0 + 8 * (j0 + j) + 2 * t4 + (i & 1);
                     if (t < sg.rows)
                         core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] =
-                            O[4 * j + i] + Oe[4 * j + i];
+                            Of[4 * j + i] + Ofe[4 * j + i];
                 }
 
-            // S^T = S^T diag(gl) + v^T kd: D / 8 tiles are chains enough, so the three terms
-            // go into S alone (a second accumulator would cost D / 2 registers)
+            // S^T = S^T diag(gl) + v^T kd over this warp's columns: D / 8 / KS tiles are chains
+            // enough, so the three terms go into S alone (a second accumulator would cost
+            // D / 2 / KS registers)
             const unsigned char* kg = next();
             const unsigned* kimg = reinterpret_cast<const unsigned*>(kg);
-            const float* gls = reinterpret_cast<const float*>(kg + L::IMG);
+            const float* gls = reinterpret_cast<const float*>(kg + L::IMG) + d0;
 #pragma unroll
-            for (int j = 0; j < ND; ++j) {
+            for (int j = 0; j < NDW; ++j) {
                 const float2 x = *reinterpret_cast<const float2*>(gls + 8 * j + 2 * t4);
                 S[4 * j] *= x.x, S[4 * j + 1] *= x.y, S[4 * j + 2] *= x.x, S[4 * j + 3] *= x.y;
             }
 #pragma unroll
             for (int s = 0; s < KC; ++s)
 #pragma unroll
-                for (int j = 0; j < ND; ++j)
-                    mma3(S + 4 * j, S + 4 * j, V[s], frag_img<D, CHUNK>(kimg, s, 8 * j, lane));
+                for (int j = 0; j < NDW; ++j)
+                    mma3(S + 4 * j, S + 4 * j, V[s], frag_img<D, CHUNK>(kimg, s, d0 + 8 * j, lane));
             // a checkpoint after every `every` whole chunks: the state of that prefix alone
             if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
                 const int slot = segs[sg.ckpt + (ci + 1) / sg.every - 1];
