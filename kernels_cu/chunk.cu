@@ -672,11 +672,9 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                         core[((u64)(sg.row0 + t) * H + h) * D + v0 + vr + 8 * (i >> 1)] =
                             O[4 * j + i];
                 }
-            // a checkpoint after every `every` whole chunks: the state of that prefix alone
-            if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
-                const int slot = segs[sg.ckpt + (ci + 1) / sg.every - 1];
-                if (slot >= 0) store_state(state + slot * slot_floats + at, S);
-            }
+            // a checkpoint: the state of that prefix alone
+            if (const int slot = checkpoint_slot(segs, sg, ci); slot >= 0)
+                store_state(state + slot * slot_floats + at, S);
             PHASE(13);
         }
         store_state(st, S);

@@ -274,11 +274,9 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
 #pragma unroll
                 for (int j = 0; j < NDW; ++j)
                     mma3(S + 4 * j, S + 4 * j, V[s], frag_img<D, CHUNK>(kimg, s, d0 + 8 * j, lane));
-            // a checkpoint after every `every` whole chunks: the state of that prefix alone
-            if (sg.every && (ci + 1) % sg.every == 0 && c0 + CHUNK <= sg.rows) {
-                const int slot = segs[sg.ckpt + (ci + 1) / sg.every - 1];
-                if (slot >= 0) store_state(state + slot * slot_floats + at, S);
-            }
+            // a checkpoint: the state of that prefix alone
+            if (const int slot = checkpoint_slot(segs, sg, ci); slot >= 0)
+                store_state(state + slot * slot_floats + at, S);
         }
         store_state(st, S);
     }

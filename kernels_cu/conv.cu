@@ -186,10 +186,10 @@ extern "C" __global__ void conv_roll_state(const bf16* __restrict__ x, bf16* __r
     const Segment sg = segment_at(segs, blockIdx.y, T);
     const u64 slot_elems = (u64)(W - 1) * conv_dim;
     x += (u64)sg.row0 * conv_dim;
-    for (int k = 0; sg.every && (k + 1) * sg.every * CHUNK <= sg.rows; ++k) {
-        const int slot = segs[sg.ckpt + k];
+    for (int ci = sg.every - 1; sg.every && ci < sg.chunks; ci += sg.every) {
+        const int slot = checkpoint_slot(segs, sg, ci);
         if (slot < 0) continue;
-        const int end = (k + 1) * sg.every * CHUNK;
+        const int end = (ci + 1) * CHUNK;
         for (int j = 0; j < W - 1; ++j)
             state[slot * slot_elems + (u64)j * conv_dim + c] =
                 x[(u64)(end - (W - 1) + j) * conv_dim + c];

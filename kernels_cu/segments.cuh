@@ -38,3 +38,11 @@ __device__ __forceinline__ int segment_of_chunk(const int* __restrict__ table, i
     }
     return lo;
 }
+
+// The pool slot that takes a segment's state after its chunk ci: its checkpoint after each
+// `every` whole chunks of its rows, or -1 (none there, or table[ckpt + j] = -1: skipped).
+__device__ __forceinline__ int checkpoint_slot(const int* __restrict__ table, const Segment& sg,
+                                               int ci) {
+    if (!sg.every || (ci + 1) % sg.every || (ci + 1) * CHUNK > sg.rows) return -1;
+    return table[sg.ckpt + (ci + 1) / sg.every - 1];
+}
