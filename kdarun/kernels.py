@@ -96,8 +96,8 @@ def portable_walk_split(cc: int) -> int:
     """Warps that share each 16 state rows (the MMA's m) of kda_chunk_inter_portable, each
     carrying D / split of the state's columns: two where a block's shared memory holds the
     operand ring beside the exchange of their partial products (163 KB and more), else one.
-    The walk is latency-bound with one warp a scheduler; halving each warp's products per chunk
-    shortens the chain every chunk waits on."""
+    The walk is latency-bound with one warp a scheduler: a pair takes half of each warp's
+    products a chunk, for a swap through shared memory."""
     return 2 if smem_per_block(cc) >= 160 * 1024 else 1
 
 

@@ -12,7 +12,7 @@
 //
 // KS warps (PORTABLE_WALK_SPLIT) carry 16 rows of S^T (the MMA's m), each D / KS of its columns
 // as fp32 accumulator fragments: the walk is a chain of dependent products, latency-bound with
-// one warp a scheduler, and KS warps a row group shorten each chunk's chain KS times. W^T and
+// one warp a scheduler, and KS warps a row group take 1 / KS of its products each. W^T and
 // O^T sum over D, so each warp forms its partial products over its columns for the whole chunk
 // and the pair swaps them through shared memory (each gets the other's W^T and its own half of
 // O^T's columns); both then hold the same v^T, and each finishes O^T for C / KS tokens and
@@ -21,8 +21,9 @@
 // MN-major).
 // A chunk's operands arrive as four pieces, in the order the products take them: w; qg; u's
 // slice with Aqk; kd with gl. Each piece is one slot of a ring of PWalk::STAGES slots filled
-// by cp.async, STAGES - 1 pieces ahead of the products, so the ring's size, not the chunk's
-// 129 KB of operands (D = 128), sets the shared memory: it fits every GPU's per-block limit.
+// by cp.async, STAGES - 1 pieces ahead of the products, so the ring's size (and the pair's
+// swap), not the chunk's 129 KB of operands (D = 128), sets the shared memory: it fits every
+// GPU's per-block limit.
 #include "chunk.cuh"
 #include "segments.cuh"
 
@@ -107,7 +108,7 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
     const int vr = 16 * (warp % RW) + g;  // this thread's rows of the slice: vr, vr + 8
     // this warp's share: S^T columns d0 .. d0 + D / KS - 1 (D's k-steps from half KDW), O^T's
     // n-tiles j0 .. j0 + NCW - 1
-    const int half = warp / RW, d0 = half * (D / KS), j0 = half * NCW;
+    const int half = KS == 1 ? 0 : warp / RW, d0 = half * (D / KS), j0 = half * NCW;
     int nchunks = 0;
     for (int si = blockIdx.z; si < nseg; si += zs) nchunks += segment_at(segs, si, T).chunks;
 
@@ -284,7 +285,7 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
 }
 
 // The same arguments as kda_chunk_inter (and one host twin for both); the dynamic shared
-// memory, the slot ring, is exported as <kernel>_smem.
+// memory, the slot ring and the pair's swap, is exported as <kernel>_smem.
 #define KDA_CHUNK_INTER_PORTABLE(D)                                                            \
     extern "C" __global__ void __launch_bounds__(PORTABLE_WALK_THREADS, 1)                     \
         kda_chunk_inter_portable_d##D(const unsigned* qg, const unsigned* kd, const float* gl, \
