@@ -55,6 +55,7 @@ DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
+PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a chunk has 4 pieces)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
@@ -124,6 +125,7 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "DECODE_BATCH_BULK": int(decode_batch_bulk(cc)),
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
               "PORTABLE_WALK_SPLIT": portable_walk_split(cc),
+              "PORTABLE_WALK_STAGES": PORTABLE_WALK_STAGES,
               "PORTABLE_WALK_THREADS": portable_walk_threads(cc), "SEG_FIELDS": SEG_FIELDS,
               "SMEM_PER_BLOCK": smem_per_block(cc)}
     return tuple(f"-D{name}={value}" for name, value in values.items())

@@ -41,9 +41,10 @@ struct PWalk {
     // its partner's C / 4 of partial O^T
     static constexpr int XW = KS == 1 ? 0 : CHUNK / 2 + CHUNK / 4;
     static constexpr int XCH = XW * PORTABLE_WALK_THREADS * 4;
-    // as many slots as the block's shared memory holds beside the swap, up to a chunk's four
+    // as many slots as the block's shared memory holds beside the swap, up to
+    // PORTABLE_WALK_STAGES
     static constexpr int FIT = (SMEM_PER_BLOCK - XCH) / SLOT;
-    static constexpr int STAGES = FIT < 4 ? FIT : 4;
+    static constexpr int STAGES = FIT < PORTABLE_WALK_STAGES ? FIT : PORTABLE_WALK_STAGES;
     static_assert(STAGES >= 3, "two pieces in flight behind the one the products read");
     static constexpr int BYTES = STAGES * SLOT + XCH;
 };
