@@ -1,5 +1,6 @@
 """Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, the
-tree A/B's export, flattening and table, and the intra kernel's phase marks."""
+tree A/B's export, flattening and table, the intra kernel's phase marks, and the sweep's
+variants."""
 
 import importlib.util
 import re
@@ -143,3 +144,21 @@ def test_chunk_phases_marks_every_phase_of_both_kernels(tmp_path):
         subprocess.run([nvcc, f"-arch={arch}", "-std=c++17", *compile_defines(), chunk_phases.DEFINE, "-I",
                         str(kernels_dir()), "-cubin", "-o", str(tmp_path / "marked.cubin"),
                         str(kernels_dir() / "chunk.cu")], check=True, capture_output=True)
+
+
+def test_sweep_variants_are_the_product_of_the_sets():
+    from kdarun import kernels
+    sweep = _tool("sweep")
+    got = sweep.parse_sets(["GEMV_SLAB_TILES=4,8", "PORTABLE_WALK_STAGES=4,5"], kernels)
+    assert got == [{"GEMV_SLAB_TILES": 4, "PORTABLE_WALK_STAGES": 4},
+                   {"GEMV_SLAB_TILES": 4, "PORTABLE_WALK_STAGES": 5},
+                   {"GEMV_SLAB_TILES": 8, "PORTABLE_WALK_STAGES": 4},
+                   {"GEMV_SLAB_TILES": 8, "PORTABLE_WALK_STAGES": 5}]
+    assert sweep.parse_sets([], kernels) == [{}]
+    assert sweep.label(got[1]) == "GEMV_SLAB_TILES=4 PORTABLE_WALK_STAGES=5"
+    for bad, why in (("GEMV_SLAB_TILES", "expected NAME=v1"), ("SMEM_PER_BLOCK=1", "not an int"),
+                     ("smem_per_block=1", "not an int"), ("GEMV_SLAB_TILES=4,x", "integers")):
+        with pytest.raises(SystemExit, match=why):
+            sweep.parse_sets([bad], kernels)
+    with pytest.raises(SystemExit, match="given twice"):
+        sweep.parse_sets(["GEMV_SLAB_TILES=4", "GEMV_SLAB_TILES=8"], kernels)
