@@ -11,8 +11,9 @@ batched decode or prefill is timed, one variant after another:
 
 The variants are the product of the --set lists; the first value of each is the first
 variant. Figures only: a variant may change a row's sums (GEMV_BLOCKS_PER_SM sets decode's K
-shares) or break a kernel's layout, so run the GPU tests on one before keeping it. Each line
-gives the call's time and its steps'; the table last.
+shares) or break a kernel's layout, so run the GPU tests on one before keeping it. A variant
+that does not build or launch is reported and skipped. Each line gives the call's time and its
+steps'; the table last.
 """
 
 from __future__ import annotations
@@ -65,25 +66,34 @@ def main() -> int:
     stream = gpu.create_stream()
     ceil = bench.measure_ceilings(gpu, stream)
     saved = {name: getattr(kernels, name) for name in variants[0]}
+
+    def measure(variant: dict[str, int]) -> list[tuple[str, str, str, dict]]:
+        out = []
+        if args.mode == "batch-decode":
+            for b in (int(x) for x in args.batch.split(",")):
+                r = bench.bench_batch(gpu, args.preset, b, 1, ceil, stream, reps=30)
+                out.append((label(variant), f"B={b}", f"{r.us:.1f} us", r.kernels_us))
+                print(*out[-1], flush=True)
+        else:
+            for r in bench.bench_prefill(gpu, args.preset, [int(x) for x in args.tokens.split(",")],
+                                         stream, flashkda=False):
+                steps = dict(r.kernels_ms, gemms=r.gemm_ms)
+                if r.portable_walk_ms is not None:
+                    steps["portable_walk"] = r.portable_walk_ms
+                out.append((label(variant), f"T={r.tokens}", f"{r.ms:.3f} ms", steps))
+                print(*out[-1], flush=True)
+        return out
+
     rows = []
     try:
         for variant in variants:
             for name, value in variant.items():
                 setattr(kernels, name, value)
-            if args.mode == "batch-decode":
-                for b in (int(x) for x in args.batch.split(",")):
-                    r = bench.bench_batch(gpu, args.preset, b, 1, ceil, stream, reps=30)
-                    rows.append((label(variant), f"B={b}", f"{r.us:.1f} us", r.kernels_us))
-                    print(*rows[-1], flush=True)
-            else:
-                for r in bench.bench_prefill(gpu, args.preset,
-                                             [int(x) for x in args.tokens.split(",")], stream,
-                                             flashkda=False):
-                    steps = dict(r.kernels_ms, gemms=r.gemm_ms)
-                    if r.portable_walk_ms is not None:
-                        steps["portable_walk"] = r.portable_walk_ms
-                    rows.append((label(variant), f"T={r.tokens}", f"{r.ms:.3f} ms", steps))
-                    print(*rows[-1], flush=True)
+            try:
+                rows += measure(variant)
+            except Exception as e:  # a variant that does not build or launch: the next one
+                rows.append((label(variant), "-", "failed", {}))
+                print(label(variant), f"failed: {type(e).__name__}: {e}", flush=True)
     finally:
         for name, value in saved.items():
             setattr(kernels, name, value)
