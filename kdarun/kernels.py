@@ -97,8 +97,8 @@ def portable_walk_split(cc: int) -> int:
     """Warps that share each 16 state rows (the MMA's m) of kda_chunk_inter_portable, each
     carrying D / split of the state's columns: two where a block's shared memory holds the
     operand ring beside the exchange of their partial products (163 KB and more), else one.
-    The walk is latency-bound with one warp a scheduler: a pair takes half of each warp's
-    products a chunk, for a swap through shared memory."""
+    A pair gives each scheduler two warps of half the products a chunk each, for a swap
+    through shared memory (docs/perf-log.md, v25: the walk 3-5% faster)."""
     return 2 if smem_per_block(cc) >= 160 * 1024 else 1
 
 
@@ -524,9 +524,10 @@ class Glm5NextKdaKernels:
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
         [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one warpgroup on
         warpgroup MMAs (the Hopper walk), or portable_walk_split warps per 16 rows on mma.sync
-        (the portable walk), as `self.core` says. With `segs` each segment walks its chunks from state [slots, H, Dv,
-        Dk] at its slot (zero without initial state), writes the state back there and to its
-        checkpoints' slots, and its core rows at its packed rows."""
+        (the portable walk), as `self.core` says. With `segs` each segment walks its chunks
+        from state [slots, H, Dv, Dk] at its slot (zero without initial state), writes the
+        state back there and to its checkpoints' slots, and its core rows at its packed
+        rows."""
         c = self.cfg
         D, H = c.head_dim, c.num_heads
         table, n, _ = self._segments(t, segs)
