@@ -30,13 +30,18 @@ __device__ __forceinline__ unsigned pack_bf16x2(float x0, float x1) {
     return r;
 }
 
+// The two bf16 of a 32-bit word (the low half first), widened exactly.
+__device__ __forceinline__ float2 unpack2(unsigned w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 // Unpack 8 bf16 held in a 16-byte vector.
 __device__ __forceinline__ void unpack8(const uint4 v, float f[8]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        const float2 p = unpack2(w[i]);
+        f[2 * i] = p.x, f[2 * i + 1] = p.y;
     }
 }
 

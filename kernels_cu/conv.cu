@@ -108,7 +108,8 @@ __device__ __forceinline__ void conv_thread(
         for (int e = 0; e < 8; e += 2) {
             const unsigned r = pack_bf16x2(acc[e] * sigmoidf_(acc[e]),
                                            acc[e + 1] * sigmoidf_(acc[e + 1]));
-            y[e] = __uint_as_float(r << 16), y[e + 1] = __uint_as_float(r & 0xffff0000u);
+            const float2 u = unpack2(r);
+            y[e] = u.x, y[e + 1] = u.y;
             ss = __fmaf_rn(y[e], y[e], ss);
             ss = __fmaf_rn(y[e + 1], y[e + 1], ss);
         }

@@ -16,7 +16,8 @@ __device__ void gated_rmsnorm_vec(const float* __restrict__ core, const bf16* __
         const float2 wp = *reinterpret_cast<const float2*>(w + DL * lane + e);
         const unsigned gp = *reinterpret_cast<const unsigned*>(out_gate + o + e);
         x[e] = c.x, x[e + 1] = c.y, wv[e] = wp.x, wv[e + 1] = wp.y;
-        g[e] = __uint_as_float(gp << 16), g[e + 1] = __uint_as_float(gp & 0xffff0000u);
+        const float2 gg = unpack2(gp);
+        g[e] = gg.x, g[e + 1] = gg.y;
     }
     gated_rms(x, wv, g, D, eps, y);
 #pragma unroll
