@@ -69,6 +69,14 @@ class Env:
         conv = np.zeros(conv_shape(self.cfg)) if conv is None else conv
         return reference.layer(self.cfg, self.tensors, hidden, recurrent, conv, chunked)
 
+    def core_reference(self, T: int, recurrent):
+        """(core, state) of the float64 recurrence from state `recurrent`, fed what the chunked
+        core read in the last prefill of T tokens: q, k, v in conv_out, the gate and beta."""
+        rd = lambda n: self.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
+        H, D = self.cfg.num_heads, self.cfg.head_dim
+        qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)
+        return reference.core_recurrent(self.cfg, *qkv, rd("gate"), rd("beta"), recurrent)
+
     def prefill(self, hidden, state, pad_fill=0.0, stage_copies=False):
         """final_out of a prefill on a poisoned workspace; with stage_copies, under a stage
         hook that keeps nothing, so the stage copies no kernel reads (qkv_parts, q/k/v_f32)
@@ -103,6 +111,27 @@ def rel(out, ref) -> float:
 
 def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
+
+
+def assert_poisoned_pad_changes_nothing(env: Env, T: int, fill: float, seed: int) -> None:
+    """A prefill of T tokens with the padded rows primed to `fill` (NaN, +-1e30) gives the bits
+    of one primed with zeros: output, core and both states. The padded rows the chunk kernels
+    could read (gate's and beta's past T) do hold the fill, and conv_out past T holds the
+    poisoned workspace's NaN, which no kernel reads (the zero run's output is finite)."""
+    R, C = env.warm_state(seed=seed)
+    h = random_hidden(T, env.cfg.hidden_size, seed=seed + 1)
+    zero_state, poison_state = env.state(R, C), env.state(R, C)
+    zero_out = env.prefill(h, zero_state, pad_fill=0.0)
+    assert np.isfinite(zero_out.astype(np.float32)).all()
+    zero_core = env.ws.read("core", T)[:T]
+    poison_out = env.prefill(h, poison_state, pad_fill=fill)
+    for name in ("gate", "beta"):
+        tail = env.ws.read(name, T)[T:]
+        assert tail.size == 0 or np.array_equal(tail, np.full_like(tail, fill), equal_nan=True)
+    assert np.array_equal(bits(poison_out), bits(zero_out))
+    assert np.array_equal(bits(env.ws.read("core", T)[:T]), bits(zero_core))
+    for a, b in zip(poison_state.download(), zero_state.download()):
+        assert np.array_equal(bits(a), bits(b))
 
 
 def assert_decode_k_matches_serial(env: Env, K: int, seed: int) -> None:

@@ -12,7 +12,8 @@ from kdarun.dtypes import BF16
 from kdarun.run import random_hidden
 
 from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env,
-                      assert_decode_k_matches_serial, assert_windowed_matches_one, bits, rel)
+                      assert_decode_k_matches_serial, assert_poisoned_pad_changes_nothing,
+                      assert_windowed_matches_one, bits, rel)
 
 @pytest.fixture(scope="module", params=GATES)
 def env(request, host, ckpts):
@@ -52,9 +53,7 @@ def test_prefill_stage_local(env):
     conv, _ = reference.conv(cfg, env.tensors, rd("qkv_proj"), C.astype(np.float64))
     # prefill rounds conv+SiLU to bf16 before the L2 norm, so two bf16 roundings
     assert rel(rd("conv_out"), conv) < 2 * BF16_OUT_TOL
-    H, D = cfg.num_heads, cfg.head_dim
-    qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)  # what the core reads
-    core, S = reference.core_recurrent(cfg, *qkv, rd("gate")[:T], rd("beta")[:T], R)
+    core, S = env.core_reference(T, R)
     assert rel(rd("core")[:T], core) < FP32_TOL
     assert rel(state.download()[0], S) < FP32_TOL
     onorm = reference.gated_rmsnorm(cfg, env.tensors, rd("core")[:T], rd("out_gate"))
@@ -117,22 +116,7 @@ def test_prefill_then_decode_equals_longer_prefill(env, T):
 @pytest.mark.parametrize("fill", [np.nan, 1e30, -1e30])
 @pytest.mark.parametrize("T", [1, 65, 100])
 def test_poisoned_pad_changes_nothing(env, T, fill):
-    R, C = env.warm_state(seed=60)
-    h = random_hidden(T, env.cfg.hidden_size, seed=61)
-    zero_state, poison_state = env.state(R, C), env.state(R, C)
-    zero_out = env.prefill(h, zero_state, pad_fill=0.0)
-    assert np.isfinite(zero_out.astype(np.float32)).all()  # NaN in conv_out past T never read
-    zero_core = env.ws.read("core", T)[:T]
-    poison_out = env.prefill(h, poison_state, pad_fill=fill)
-    # the padded rows the chunk kernels could read hold the fill (conv_out's rows past T: the
-    # poisoned workspace's NaN)
-    for name in ("gate", "beta"):
-        tail = env.ws.read(name, T)[T:]
-        assert tail.size == 0 or np.array_equal(tail, np.full_like(tail, fill), equal_nan=True)
-    assert np.array_equal(bits(poison_out), bits(zero_out))
-    assert np.array_equal(bits(env.ws.read("core", T)[:T]), bits(zero_core))
-    for a, b in zip(poison_state.download(), zero_state.download()):
-        assert np.array_equal(bits(a), bits(b))
+    assert_poisoned_pad_changes_nothing(env, T, fill, seed=60)
 
 
 def test_windowed_prefill_equals_one_prefill(host, ckpts):

@@ -15,8 +15,9 @@ from kdarun.kernels import SMEM_PER_BLOCK
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 
-from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env, assert_windowed_matches_one,
-                       bits, forced_core, rel)
+from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, Env,
+                       assert_poisoned_pad_changes_nothing, assert_windowed_matches_one, bits,
+                       forced_core, rel)
 
 STAGES = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "gate", "beta", "q_f32",
           "k_f32", "v_f32", "core", "o_norm_out", "final_out")
@@ -49,40 +50,20 @@ def test_prefill_vs_reference_and_host(core_pair, T, warm):
 
 def test_chunk_core_stage_local(core_pair):
     """The CUDA chunk core against the float64 recurrence fed the buffers it read."""
-    from kdarun import reference
     cu, ho = core_pair
     cfg, T = cu.cfg, 1000
     R, C = ho.warm_state(seed=600)
     st = cu.state(R, C)
     cu.prefill(random_hidden(T, cfg.hidden_size, seed=601), st)
-    H, D = cfg.num_heads, cfg.head_dim
-    rd = lambda n: cu.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
-    qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)  # what the core reads
-    core, S = reference.core_recurrent(cfg, *qkv, rd("gate"), rd("beta"), R)
-    assert rel(rd("core"), core) < FP32_TOL
+    core, S = cu.core_reference(T, R)
+    assert rel(cu.ws.read("core", T)[:T].astype(np.float64), core) < FP32_TOL
     assert rel(st.download()[0], S) < FP32_TOL
 
 
 @pytest.mark.parametrize("fill", [np.nan, 1e30])
 @pytest.mark.parametrize("T", [1, 65, 1000])
 def test_poisoned_pad_bit_identical(core_pair, T, fill):
-    cu, _ = core_pair
-    R, C = cu.warm_state(seed=700)
-    h = random_hidden(T, cu.cfg.hidden_size, seed=701)
-    a, b = cu.state(R, C), cu.state(R, C)
-    zero = cu.prefill(h, a, 0.0)
-    zero_core = cu.ws.read("core", T)[:T]
-    assert np.isfinite(zero.astype(np.float32)).all()  # NaN in conv_out past T never read
-    poison = cu.prefill(h, b, fill)
-    # the padded rows the chunk kernels could read hold the fill (conv_out's rows past T: the
-    # poisoned workspace's)
-    for name in ("gate", "beta"):
-        tail = cu.ws.read(name, T)[T:]
-        assert tail.size == 0 or np.array_equal(tail, np.full_like(tail, fill), equal_nan=True)
-    assert np.array_equal(bits(poison), bits(zero))
-    assert np.array_equal(bits(cu.ws.read("core", T)[:T]), bits(zero_core))
-    for x, y in zip(a.download(), b.download()):
-        assert np.array_equal(bits(x), bits(y))
+    assert_poisoned_pad_changes_nothing(core_pair[0], T, fill, seed=700)
 
 
 @pytest.mark.parametrize("T", [64, 1000])
@@ -185,11 +166,10 @@ def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
     (99 KB: the intra kernel staging 32 dimensions at a time, the portable walk's shortest
     ring), run here: within the chunked core's tolerance of this GPU's own build and of the
     float64 recurrence fed the same buffers."""
-    from kdarun import reference
     with forced_core("portable"):
         env = Env(cuda, gpu_ckpts[name], 4096)
     cfg, T = env.cfg, 1000
-    H, D = cfg.num_heads, cfg.head_dim
+    D = cfg.head_dim
     R, C = env.warm_state(seed=1300)
     h = random_hidden(T, cfg.hidden_size, seed=1301)
     runs = []
@@ -205,8 +185,6 @@ def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
     (core_own, S_own), (core_small, S_small) = runs
     assert rel(core_small, core_own) < FP32_TOL
     assert rel(S_small, S_own) < FP32_TOL
-    rd = lambda n: env.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
-    qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)  # what the core reads
-    core, S = reference.core_recurrent(cfg, *qkv, rd("gate"), rd("beta"), R)
+    core, S = env.core_reference(T, R)
     assert rel(core_small, core) < FP32_TOL
     assert rel(S_small, S) < FP32_TOL
