@@ -49,9 +49,8 @@ __device__ __forceinline__ float pick(bool valid, float x) { return valid ? x : 
 // phase is issued unconditionally and all are in flight at once; the select drops its value.
 __device__ __forceinline__ float4 load4_bf16(bool ok, const bf16* p) {
     const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-    return ok ? make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
-                            __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u))
-              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float2 a = unpack2(w.x), b = unpack2(w.y);
+    return ok ? make_float4(a.x, a.y, b.x, b.y) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 // The intra kernel keeps its operands as hi and lo planes: rows of bf16 along the product's k
