@@ -37,8 +37,8 @@ struct PWalk {
     static constexpr int GL_BYTES = D * 4;
     static constexpr int SLOT = IMG + GL_BYTES > U_BYTES + A_BYTES ? IMG + GL_BYTES
                                                                    : U_BYTES + A_BYTES;
-    // the pair's swap, [warp][word][lane] fp32: a thread's partial W^T (C / 2 words), then
-    // its partner's C / 4 of partial O^T
+    // the pair's swap, [warp][word / 4][lane] float4 (a 16-byte store a lane, conflict-free): a
+    // thread's partial W^T (C / 2 words), then its partner's C / 4 of partial O^T
     static constexpr int XW = KS == 1 ? 0 : CHUNK / 2 + CHUNK / 4;
     static constexpr int XCH = XW * PORTABLE_WALK_THREADS * 4;
     // as many slots as the block's shared memory holds beside the swap, up to
@@ -82,12 +82,25 @@ __device__ __forceinline__ Frag frag_w(const unsigned* img, int s, int n0, int l
     return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
-// bytes (a multiple of 16) from global memory into a slot, 16 a thread at a time
-__device__ __forceinline__ void stage(unsigned char* dst, const void* src, int bytes) {
-    const unsigned char* s = static_cast<const unsigned char*>(src);
-    for (int i = 16 * threadIdx.x; i < bytes; i += 16 * PORTABLE_WALK_THREADS)
-        cp_async16(dst + i, s + i);
+// BYTES (a multiple of 16, known at compile time) from global memory into a slot, 16 a thread at
+// fixed offsets: straight-line copies, no loop bound or address arithmetic a copy.
+template <int BYTES>
+__device__ __forceinline__ void stage(unsigned char* dst, const void* src) {
+    constexpr int ROUND = 16 * PORTABLE_WALK_THREADS, FULL = BYTES / ROUND, REST = BYTES % ROUND;
+    static_assert(BYTES % 16 == 0, "whole 16-byte copies");
+    const unsigned char* s = static_cast<const unsigned char*>(src) + 16 * threadIdx.x;
+    dst += 16 * threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < FULL; ++i) cp_async16(dst + i * ROUND, s + i * ROUND);
+    if (REST && 16 * (int)threadIdx.x < REST) cp_async16(dst + FULL * ROUND, s + FULL * ROUND);
 }
+
+// A chunk's piece by its place (0: w; 1: qg; 2: u's slice and Aqk; 3: kd and gl), as a type: the
+// walk takes its pieces in that order, so each call site knows which piece it issues.
+template <int K>
+struct Piece {
+    static constexpr int value = K;
+};
 
 template <int D>
 __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
@@ -119,9 +132,10 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
     int cur_si = blockIdx.z, cur_ci = 0;
     Segment cur = segment_at(segs, cur_si, T);
     u64 blk = 0;  // (chunk, head) block of the pieces going out
-    auto issue = [&](int p) {
+    auto issue = [&](auto place, int p) {
+        constexpr int K = decltype(place)::value;
         if (p < 4 * nchunks) {
-            if ((p & 3) == 0) {
+            if constexpr (K == 0) {
                 blk = (u64)(cur.chunk0 + cur_ci) * H + h;
                 if (++cur_ci == cur.chunks) {
                     cur_ci = 0, cur_si += zs;
@@ -129,36 +143,43 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
                 }
             }
             unsigned char* dst = smb + (p % L::STAGES) * L::SLOT;
-            switch (p & 3) {
-            case 0: stage(dst, w_in + blk * CHUNK * D, L::IMG); break;
-            case 1: stage(dst, qg + blk * CHUNK * D, L::IMG); break;
-            case 2:
-                stage(dst, u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS, L::U_BYTES);
-                stage(dst + L::U_BYTES, aqk + blk * CHUNK * CHUNK, L::A_BYTES);
-                break;
-            default:
-                stage(dst, kd + blk * D * CHUNK, L::IMG);
-                stage(dst + L::IMG, gl + blk * D, L::GL_BYTES);
+            if constexpr (K == 0) {
+                stage<L::IMG>(dst, w_in + blk * CHUNK * D);
+            } else if constexpr (K == 1) {
+                stage<L::IMG>(dst, qg + blk * CHUNK * D);
+            } else if constexpr (K == 2) {
+                stage<L::U_BYTES>(dst, u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS);
+                stage<L::A_BYTES>(dst + L::U_BYTES, aqk + blk * CHUNK * CHUNK);
+            } else {
+                stage<L::IMG>(dst, kd + blk * D * CHUNK);
+                stage<L::GL_BYTES>(dst + L::IMG, gl + blk * D);
             }
         }
         cp_commit();
     };
     int piece = 0;
-    // The next piece, landed for every thread; its predecessor's slot, which every warp is
-    // done with past the barrier, then takes the piece STAGES - 1 ahead.
-    auto next = [&]() -> const unsigned char* {
+    // The next piece (of place K), landed for every thread; its predecessor's slot, which every
+    // warp is done with past the barrier, then takes the piece STAGES - 1 ahead (of place
+    // K + STAGES - 1, mod 4).
+    auto next = [&](auto place) -> const unsigned char* {
+        constexpr int K = decltype(place)::value;
         cp_wait<L::STAGES - 2>();
         __syncthreads();
-        issue(piece + L::STAGES - 1);
+        issue(Piece<(K + L::STAGES - 1) % 4>{}, piece + L::STAGES - 1);
         return smb + (piece++ % L::STAGES) * L::SLOT;
     };
-    for (int p = 0; p < L::STAGES - 1; ++p) issue(p);
+    static_assert(L::STAGES <= 5, "the first STAGES - 1 pieces are one chunk's");
+    issue(Piece<0>{}, 0);
+    issue(Piece<1>{}, 1);
+    if constexpr (L::STAGES > 3) issue(Piece<2>{}, 2);
+    if constexpr (L::STAGES > 4) issue(Piece<3>{}, 3);
     // the pair's swap: this thread's words and its partner's (the same rows, the other half);
     // written before a piece's barrier and read after it, and not written again before the
     // chunk's last piece's barrier
-    float* const mine = reinterpret_cast<float*>(smb + L::STAGES * L::SLOT) + warp * L::XW * 32 + lane;
-    const float* const theirs = reinterpret_cast<const float*>(smb + L::STAGES * L::SLOT) +
-                                (warp + RW) % (KS * RW) * L::XW * 32 + lane;
+    float4* const mine =
+        reinterpret_cast<float4*>(smb + L::STAGES * L::SLOT) + warp * (L::XW / 4) * 32 + lane;
+    const float4* const theirs = reinterpret_cast<const float4*>(smb + L::STAGES * L::SLOT) +
+                                 (warp + RW) % (KS * RW) * (L::XW / 4) * 32 + lane;
 
     // S^T rows vr (+ 8), columns d0 + 8 j + 2 t4 (+ 1): n-tile j of the warp's m16n(D / KS)
     // accumulator, at this thread's offset in a slot's state
@@ -199,37 +220,51 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
         for (int ci = 0; ci < sg.chunks; ++ci) {
             // W^T and O^T's first term (over this warp's columns of S)
             float P[CHUNK / 2] = {}, Pe[CHUNK / 2] = {};
-            const unsigned* wimg = reinterpret_cast<const unsigned*>(next());
+            const unsigned* wimg = reinterpret_cast<const unsigned*>(next(Piece<0>{}));
             times_s(P, Pe, [&](int s, int n0) { return frag_w<D>(wimg, s, n0, lane); });
 #pragma unroll
             for (int i = 0; i < CHUNK / 2; ++i) P[i] += Pe[i];
             float O[CHUNK / 2] = {}, Oe[CHUNK / 2] = {};
-            const unsigned* qimg = reinterpret_cast<const unsigned*>(next());
+            const unsigned* qimg = reinterpret_cast<const unsigned*>(next(Piece<1>{}));
             times_s(O, Oe, [&](int s, int n0) { return frag_img<CHUNK, D>(qimg, s, n0, lane); });
             // Of, Ofe: O^T's n-tiles j0 .. that this warp finishes; with a pair, the partner's
             // n-tiles and the whole partial W^T go to the swap
             float Of[4 * NCW], Ofe[4 * NCW];
 #pragma unroll
-            for (int k = 0; k < 4 * NCW; ++k) {
-                if constexpr (KS == 1) {
-                    Of[k] = O[k], Ofe[k] = Oe[k];
-                } else {
-                    const float lo = O[k] + Oe[k], hi = O[4 * NCW + k] + Oe[4 * NCW + k];
-                    Of[k] = half ? hi : lo, Ofe[k] = 0.0f;
-                    mine[(CHUNK / 2 + k) * 32] = half ? lo : hi;
+            for (int j = 0; j < NCW; ++j) {
+                float x[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int k = 4 * j + i;
+                    if constexpr (KS == 1) {
+                        Of[k] = O[k], Ofe[k] = Oe[k];
+                    } else {
+                        const float lo = O[k] + Oe[k], hi = O[4 * NCW + k] + Oe[4 * NCW + k];
+                        Of[k] = half ? hi : lo, Ofe[k] = 0.0f, x[i] = half ? lo : hi;
+                    }
                 }
+                if constexpr (KS == 2)
+                    mine[(CHUNK / 8 + j) * 32] = make_float4(x[0], x[1], x[2], x[3]);
             }
             if constexpr (KS == 2)
 #pragma unroll
-                for (int i = 0; i < CHUNK / 2; ++i) mine[i * 32] = P[i];
+                for (int i = 0; i < CHUNK / 8; ++i)
+                    mine[i * 32] = make_float4(P[4 * i], P[4 * i + 1], P[4 * i + 2], P[4 * i + 3]);
 
             // v^T = u^T - W^T, its fragments (the same in both warps of a pair); O^T += v^T Aqk^T
-            const unsigned char* ua = next();
+            const unsigned char* ua = next(Piece<2>{});
             if constexpr (KS == 2) {
 #pragma unroll
-                for (int i = 0; i < CHUNK / 2; ++i) P[i] += theirs[i * 32];
+                for (int i = 0; i < CHUNK / 8; ++i) {
+                    const float4 y = theirs[i * 32];
+                    P[4 * i] += y.x, P[4 * i + 1] += y.y, P[4 * i + 2] += y.z, P[4 * i + 3] += y.w;
+                }
 #pragma unroll
-                for (int k = 0; k < 4 * NCW; ++k) Of[k] += theirs[(CHUNK / 2 + k) * 32];
+                for (int j = 0; j < NCW; ++j) {
+                    const float4 y = theirs[(CHUNK / 8 + j) * 32];
+                    Of[4 * j] += y.x, Of[4 * j + 1] += y.y;
+                    Of[4 * j + 2] += y.z, Of[4 * j + 3] += y.w;
+                }
             }
             const float* us = reinterpret_cast<const float*>(ua);
             const unsigned* aimg = reinterpret_cast<const unsigned*>(ua + L::U_BYTES);
@@ -263,7 +298,7 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             // S^T = S^T diag(gl) + v^T kd over this warp's columns: D / 8 / KS tiles are chains
             // enough, so the three terms go into S alone (a second accumulator would cost
             // D / 2 / KS registers)
-            const unsigned char* kg = next();
+            const unsigned char* kg = next(Piece<3>{});
             const unsigned* kimg = reinterpret_cast<const unsigned*>(kg);
             const float* gls = reinterpret_cast<const float*>(kg + L::IMG) + d0;
 #pragma unroll
