@@ -368,7 +368,8 @@ HOST_KERNELS: dict[str, dict] = {
                   **{f"kda_decode_rows_slot_d{d}": _kda_decode_rows_slot(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
               **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
-    "chunk_portable": {f"kda_chunk_inter_portable_d{d}": _kda_chunk_inter(d) for d in (64, 128)},
+    "chunk_portable": {f"kda_chunk_inter_portable{rows}_d{d}": _kda_chunk_inter(d)
+                       for d in (64, 128) for rows in ("", "_r32")},
     "norm": {"gated_rmsnorm": gated_rmsnorm},
     "reduce": {"tp_accumulate": tp_accumulate, "tp_round": tp_round},
 }

@@ -103,8 +103,8 @@ def portable_walk_split(cc: int) -> int:
 
 
 def portable_walk_threads(cc: int) -> int:
-    """kda_chunk_inter_portable's block on compute capability `cc`: portable_walk_split warps
-    per 16 of the WALK_ROWS state rows."""
+    """kda_chunk_inter_portable's block of WALK_ROWS rows on compute capability `cc`:
+    portable_walk_split warps per 16 state rows (half as many for a block of half the rows)."""
     return 32 * (WALK_ROWS // 16) * portable_walk_split(cc)
 
 
@@ -146,6 +146,24 @@ def core_path(gpu: GpuBackend, core: str | None = None) -> str:
                        f"{gpu.device_name} lacks (needs compute capability 9.0); use 'portable' "
                        f"or 'auto'")
     return want
+
+
+def walk_rows(gpu: GpuBackend, cfg: Glm5NextKdaConfig, core: str) -> int:
+    """State rows a block of the `core` walk carries on `gpu`: $KDARUN_WALK_ROWS where set, else
+    WALK_ROWS (the Hopper walk's only size: a warpgroup MMA's m), or on the portable walk half of
+    them where blocks of WALK_ROWS would leave SMs idle (kimi-linear-48b's 32 heads: 64 blocks
+    on an H200's 132). The portable walk is bound by each SM's issue slots, so the same warps
+    spread over more SMs go faster."""
+    half = WALK_ROWS // 2
+    want = os.environ.get("KDARUN_WALK_ROWS")
+    if want is None:
+        spread = core == "portable" and cfg.num_heads * cfg.head_dim // half <= gpu.sm_count
+        return half if spread else WALK_ROWS
+    sizes = (WALK_ROWS, half) if core == "portable" else (WALK_ROWS,)
+    if want not in {str(n) for n in sizes}:
+        raise KdaError(f"KDARUN_WALK_ROWS: the {core} walk takes blocks of "
+                       f"{' or '.join(map(str, sizes))} state rows, got {want!r}")
+    return int(want)
 
 
 def _blocks(n: int, per: int = THREADS) -> int:
@@ -212,6 +230,7 @@ class Glm5NextKdaKernels:
         self.gpu = gpu
         self.cfg = cfg
         self.core = core_path(gpu, core)
+        self.walk_rows = walk_rows(gpu, cfg, self.core)  # state rows a block of the walk
         self.use_build(gpu.compute_capability)
 
     def use_build(self, cc: int) -> None:
@@ -512,33 +531,37 @@ class Glm5NextKdaKernels:
 
     @property
     def chunk_inter_name(self) -> str:
-        """The walk kernel `core` picked: kda_chunk_inter_d{D} (chunk.cu, the Hopper walk) or
-        kda_chunk_inter_portable_d{D} (chunk_portable.cu)."""
-        suffix = "_portable" if self.core == "portable" else ""
-        return f"kda_chunk_inter{suffix}_d{self.cfg.head_dim}"
+        """The walk kernel `core` and `walk_rows` picked: kda_chunk_inter_d{D} (chunk.cu, the
+        Hopper walk), kda_chunk_inter_portable_d{D} or, in blocks of half the rows,
+        kda_chunk_inter_portable_r32_d{D} (chunk_portable.cu)."""
+        if self.core != "portable":
+            return f"kda_chunk_inter_d{self.cfg.head_dim}"
+        half = "" if self.walk_rows == WALK_ROWS else f"_r{self.walk_rows}"
+        return f"kda_chunk_inter_portable{half}_d{self.cfg.head_dim}"
 
     def kda_chunk_inter(self, stream: int, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
                         w: DevicePtr, u: DevicePtr, aqk: DevicePtr, state: DevicePtr,
                         core: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
         """The walk: the sequential pass over the chunks from kda_chunk_intra's operands,
         carrying state [H, Dv, Dk] fp32 (read, then written back) and writing core
-        [t, H, D] rows < t. A block carries WALK_ROWS rows of a head's state: one warpgroup on
-        warpgroup MMAs (the Hopper walk), or portable_walk_split warps per 16 rows on mma.sync
-        (the portable walk), as `self.core` says. With `segs` each segment walks its chunks
-        from state [slots, H, Dv, Dk] at its slot (zero without initial state), writes the
-        state back there and to its checkpoints' slots, and its core rows at its packed
+        [t, H, D] rows < t. A block carries `walk_rows` rows of a head's state: one warpgroup
+        on warpgroup MMAs (the Hopper walk), or portable_walk_split warps per 16 rows on
+        mma.sync (the portable walk), as `self.core` says. With `segs` each segment walks its
+        chunks from state [slots, H, Dv, Dk] at its slot (zero without initial state), writes
+        the state back there and to its checkpoints' slots, and its core rows at its packed
         rows."""
         c = self.cfg
         D, H = c.head_dim, c.num_heads
         table, n, _ = self._segments(t, segs)
         # segments share a block's walk in turn: as many blocks as one wave holds (a block an
         # SM), each a stream of chunks, where more would wait for a second wave
-        z = min(n, max(1, self.gpu.sm_count // (H * D // WALK_ROWS)))
-        family, threads = (("chunk_portable", portable_walk_threads(self.cc))
+        rows = self.walk_rows
+        z = min(n, max(1, self.gpu.sm_count // (H * D // rows)))
+        family, threads = (("chunk_portable", portable_walk_threads(self.cc) * rows // WALK_ROWS)
                            if self.core == "portable"
                            else ("chunk", WALK_THREADS))
         self._launch(family, self.chunk_inter_name,
-                     LaunchConfig((H, D // WALK_ROWS, z), (threads, 1, 1)),
+                     LaunchConfig((H, D // rows, z), (threads, 1, 1)),
                      (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
 
     # -- output ----------------------------------------------------------------------------

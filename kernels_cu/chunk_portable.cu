@@ -3,8 +3,8 @@
 // and Ada have no bulk copies). It reads the operand images kda_chunk_intra writes for the
 // Hopper walk (chunk.cuh) and, as that walk does, walks a block's share of the segments
 // (segments.cuh: each from its pool slot's state or zero, its core rows at its packed rows,
-// checkpoints every `every` chunks, its final state to its slot) for one (head, WALK_ROWS-row
-// slice of the state):
+// checkpoints every `every` chunks, its final state to its slot) for one (head, run of PR rows of
+// the state):
 //   W^T = S^T w^T;  O^T = S^T qg^T;  v^T = u^T - W^T;  O^T += v^T Aqk^T;
 //   S^T = S^T diag(gl) + v^T kd,
 // every product 3xBF16 from split words (mma3), so it computes what the Hopper walk computes
@@ -27,11 +27,16 @@
 #include "chunk.cuh"
 #include "segments.cuh"
 
-template <int D>
+// PR state rows a block: WALK_ROWS, or half of them where the heads' blocks of WALK_ROWS would
+// leave SMs idle (the walk is bound by each SM's issue, so its warps go to more SMs); a block of
+// PR rows reads the intra kernel's u slice of WALK_ROWS rows that holds them.
+template <int D, int PR>
 struct PWalk {
     static constexpr int KS = PORTABLE_WALK_SPLIT;  // warps a row group of 16, D / KS columns each
     static_assert(KS == 1 || KS == 2, "one warp a row group, or a pair splitting D");
     static_assert(PORTABLE_WALK_THREADS == 32 * KS * (WALK_ROWS / 16), "KS warps per 16 rows");
+    static_assert(PR == WALK_ROWS || 2 * PR == WALK_ROWS, "a u slice or half of one");
+    static constexpr int BLOCK = PORTABLE_WALK_THREADS / (WALK_ROWS / PR);
     static constexpr int IMG = CHUNK * D * 4;  // w, qg, kd: hi then lo plane, bytes
     static constexpr int U_BYTES = CHUNK * WALK_ROWS * 4, A_BYTES = CHUNK * CHUNK * 4;
     static constexpr int GL_BYTES = D * 4;
@@ -40,7 +45,7 @@ struct PWalk {
     // the pair's swap, [warp][word / 4][lane] float4 (a 16-byte store a lane, conflict-free): a
     // thread's partial W^T (C / 2 words), then its partner's C / 4 of partial O^T
     static constexpr int XW = KS == 1 ? 0 : CHUNK / 2 + CHUNK / 4;
-    static constexpr int XCH = XW * PORTABLE_WALK_THREADS * 4;
+    static constexpr int XCH = XW * BLOCK * 4;
     // as many slots as the block's shared memory holds beside the swap, up to
     // PORTABLE_WALK_STAGES
     static constexpr int FIT = (SMEM_PER_BLOCK - XCH) / SLOT;
@@ -82,11 +87,11 @@ __device__ __forceinline__ Frag frag_w(const unsigned* img, int s, int n0, int l
     return {{x[0], x[1], 0u, 0u}, {x[2], x[3], 0u, 0u}};
 }
 
-// BYTES (a multiple of 16, known at compile time) from global memory into a slot, 16 a thread at
-// fixed offsets: straight-line copies, no loop bound or address arithmetic a copy.
-template <int BYTES>
+// BYTES (a multiple of 16, known at compile time) from global memory into a slot, 16 a thread of
+// NT at fixed offsets: straight-line copies, no loop bound or address arithmetic a copy.
+template <int BYTES, int NT>
 __device__ __forceinline__ void stage(unsigned char* dst, const void* src) {
-    constexpr int ROUND = 16 * PORTABLE_WALK_THREADS, FULL = BYTES / ROUND, REST = BYTES % ROUND;
+    constexpr int ROUND = 16 * NT, FULL = BYTES / ROUND, REST = BYTES % ROUND;
     static_assert(BYTES % 16 == 0, "whole 16-byte copies");
     const unsigned char* s = static_cast<const unsigned char*>(src) + 16 * threadIdx.x;
     dst += 16 * threadIdx.x;
@@ -102,24 +107,25 @@ struct Piece {
     static constexpr int value = K;
 };
 
-template <int D>
+template <int D, int PR>
 __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
                               const float* __restrict__ gl, const unsigned* __restrict__ w_in,
                               const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
                               float* __restrict__ state, float* __restrict__ core,
                               const int* __restrict__ segs, int nseg, int T, int H) {
-    using L = PWalk<D>;
-    constexpr int KS = L::KS, RW = WALK_ROWS / 16;  // warps a row group; row groups
+    using L = PWalk<D, PR>;
+    constexpr int KS = L::KS, RW = PR / 16;  // warps a row group; row groups
     constexpr int KD = D / 16, KC = CHUNK / 16;     // k-steps over D and over C
     constexpr int NC = CHUNK / 8, ND = D / 8;       // n-tiles over C and over D
     constexpr int KDW = KD / KS, NDW = ND / KS, NCW = NC / KS;  // a warp's share of each
     extern __shared__ __align__(16) unsigned char smb[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    // What this block walks: head h, state rows v0 .. v0 + WALK_ROWS - 1, and segments
-    // blockIdx.z, + gridDim.z, ... (segments.cuh) one after another as one stream of chunks, so
-    // the ring runs ahead across a segment's end.
-    const int h = blockIdx.x, slice = blockIdx.y, v0 = slice * WALK_ROWS, zs = gridDim.z;
-    const int vr = 16 * (warp % RW) + g;  // this thread's rows of the slice: vr, vr + 8
+    // What this block walks: head h, state rows v0 .. v0 + PR - 1, and segments blockIdx.z,
+    // + gridDim.z, ... (segments.cuh) one after another as one stream of chunks, so the ring
+    // runs ahead across a segment's end. Its rows are rows ur .. of u slice v0 / WALK_ROWS.
+    const int h = blockIdx.x, v0 = blockIdx.y * PR, zs = gridDim.z;
+    const int slice = v0 / WALK_ROWS, ur = v0 % WALK_ROWS;
+    const int vr = 16 * (warp % RW) + g;  // this thread's rows of the block's: vr, vr + 8
     // this warp's share: S^T columns d0 .. d0 + D / KS - 1 (D's k-steps from half KDW), O^T's
     // n-tiles j0 .. j0 + NCW - 1
     const int half = KS == 1 ? 0 : warp / RW, d0 = half * (D / KS), j0 = half * NCW;
@@ -144,15 +150,16 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
             }
             unsigned char* dst = smb + (p % L::STAGES) * L::SLOT;
             if constexpr (K == 0) {
-                stage<L::IMG>(dst, w_in + blk * CHUNK * D);
+                stage<L::IMG, L::BLOCK>(dst, w_in + blk * CHUNK * D);
             } else if constexpr (K == 1) {
-                stage<L::IMG>(dst, qg + blk * CHUNK * D);
+                stage<L::IMG, L::BLOCK>(dst, qg + blk * CHUNK * D);
             } else if constexpr (K == 2) {
-                stage<L::U_BYTES>(dst, u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS);
-                stage<L::A_BYTES>(dst + L::U_BYTES, aqk + blk * CHUNK * CHUNK);
+                stage<L::U_BYTES, L::BLOCK>(
+                    dst, u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS);
+                stage<L::A_BYTES, L::BLOCK>(dst + L::U_BYTES, aqk + blk * CHUNK * CHUNK);
             } else {
-                stage<L::IMG>(dst, kd + blk * D * CHUNK);
-                stage<L::GL_BYTES>(dst + L::IMG, gl + blk * D);
+                stage<L::IMG, L::BLOCK>(dst, kd + blk * D * CHUNK);
+                stage<L::GL_BYTES, L::BLOCK>(dst + L::IMG, gl + blk * D);
             }
         }
         cp_commit();
@@ -273,7 +280,8 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
                     P[4 * j + i] =
-                        us[u_word(8 * j + 2 * t4 + (i & 1), vr + 8 * (i >> 1))] - P[4 * j + i];
+                        us[u_word(8 * j + 2 * t4 + (i & 1), ur + vr + 8 * (i >> 1))] -
+                        P[4 * j + i];
             Frag V[KC];
 #pragma unroll
             for (int s = 0; s < KC; ++s) frag_of(P + 8 * s, P + 8 * s + 4, V[s].hi, V[s].lo);
@@ -320,18 +328,20 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
     cp_wait<0>();  // the trailing groups are empty; nothing is left in flight at exit
 }
 
-// The same arguments as kda_chunk_inter (and one host twin for both); the dynamic shared
-// memory, the slot ring and the pair's swap, is exported as <kernel>_smem.
-#define KDA_CHUNK_INTER_PORTABLE(D)                                                            \
-    extern "C" __global__ void __launch_bounds__(PORTABLE_WALK_THREADS, 1)                     \
-        kda_chunk_inter_portable_d##D(const unsigned* qg, const unsigned* kd, const float* gl, \
-                                      const unsigned* w, const float* u, const unsigned* aqk,  \
-                                      float* state, float* core, const int* segs, int nseg,    \
-                                      int T, int H) {                                          \
-        walk_portable<D>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H);                \
+// The same arguments as kda_chunk_inter (and one host twin for all); blocks of WALK_ROWS rows
+// (kda_chunk_inter_portable_d{D}) or of half (_r32_d{D}: kernels.portable_walk_rows picks). The
+// dynamic shared memory, the slot ring and the pair's swap, is exported as <kernel>_smem.
+#define KDA_CHUNK_INTER_PORTABLE(NAME, D, PR)                                                  \
+    extern "C" __global__ void __launch_bounds__(PWalk<D, PR>::BLOCK, 1)                     \
+        NAME(const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,       \
+             const float* u, const unsigned* aqk, float* state, float* core, const int* segs,  \
+             int nseg, int T, int H) {                                                         \
+        walk_portable<D, PR>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H);            \
     }                                                                                          \
     extern "C" {                                                                               \
-    __constant__ int kda_chunk_inter_portable_d##D##_smem = PWalk<D>::BYTES;                   \
+    __constant__ int NAME##_smem = PWalk<D, PR>::BYTES;                                        \
     }
-KDA_CHUNK_INTER_PORTABLE(64)
-KDA_CHUNK_INTER_PORTABLE(128)
+KDA_CHUNK_INTER_PORTABLE(kda_chunk_inter_portable_d64, 64, WALK_ROWS)
+KDA_CHUNK_INTER_PORTABLE(kda_chunk_inter_portable_d128, 128, WALK_ROWS)
+KDA_CHUNK_INTER_PORTABLE(kda_chunk_inter_portable_r32_d64, 64, WALK_ROWS / 2)
+KDA_CHUNK_INTER_PORTABLE(kda_chunk_inter_portable_r32_d128, 128, WALK_ROWS / 2)

@@ -26,17 +26,25 @@ FP32_TOL = 1e-4  # fp32 arithmetic only
 
 @contextmanager
 def forced_core(core: str):
-    """Layers bound inside take the chunked core's `core` walk, by KDARUN_CORE (the documented
-    switch), which is restored after."""
-    before = os.environ.get("KDARUN_CORE")
-    os.environ["KDARUN_CORE"] = core
+    """Layers bound inside take the chunked core's walk `core` ("hopper", "portable", or
+    "portable:64" / "portable:32" for its blocks of that many state rows), by KDARUN_CORE and
+    KDARUN_WALK_ROWS (the documented switches), which are restored after."""
+    name, _, rows = core.partition(":")
+    want = {"KDARUN_CORE": name, "KDARUN_WALK_ROWS": rows or None}
+    before = {k: os.environ.get(k) for k in want}
+    for k, v in want.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["KDARUN_CORE"]
-        else:
-            os.environ["KDARUN_CORE"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Env:

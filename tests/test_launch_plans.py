@@ -51,6 +51,39 @@ def test_walk_covers_every_state_row():
         assert d % kernels.WALK_ROWS == 0, d
 
 
+def test_the_portable_walk_spreads_its_warps_where_sms_would_idle(monkeypatch):
+    """The portable walk takes blocks of half the rows where blocks of WALK_ROWS would leave SMs
+    idle on this GPU (kimi-linear-48b's 32 heads on 132 SMs: 128 blocks, not 64), and blocks of
+    WALK_ROWS where they fill it (glm-5.3-flash's 64 heads); the Hopper walk always WALK_ROWS.
+    KDARUN_WALK_ROWS forces a size the walk has, and refuses any other."""
+    host = open_backend("host", announce=False)
+
+    class H200Like(type(host)):
+        sm_count = 132
+
+    gpu, half = H200Like(), kernels.WALK_ROWS // 2
+    monkeypatch.delenv("KDARUN_WALK_ROWS", raising=False)
+    kimi, glm = (synthetic.preset_config(p) for p in ("kimi-linear-48b", "glm-5.3-flash"))
+    for cfg, rows in ((kimi, half), (glm, kernels.WALK_ROWS)):
+        kn = Glm5NextKdaKernels(gpu, cfg, core="portable")
+        assert kn.walk_rows == rows, cfg.num_heads
+        suffix = "_r32" if rows == half else ""
+        assert kn.chunk_inter_name == f"kda_chunk_inter_portable{suffix}_d{cfg.head_dim}"
+        assert Glm5NextKdaKernels(gpu, cfg, core="hopper").walk_rows == kernels.WALK_ROWS
+    assert Glm5NextKdaKernels(host, kimi, core="portable").walk_rows == kernels.WALK_ROWS
+    monkeypatch.setenv("KDARUN_WALK_ROWS", str(kernels.WALK_ROWS))
+    assert Glm5NextKdaKernels(gpu, kimi, core="portable").walk_rows == kernels.WALK_ROWS
+    monkeypatch.setenv("KDARUN_WALK_ROWS", str(half))
+    assert Glm5NextKdaKernels(host, glm, core="portable").walk_rows == half
+    with pytest.raises(KdaError, match=r"KDARUN_WALK_ROWS: the hopper walk takes blocks of 64 "
+                                       r"state rows, got '32'"):
+        Glm5NextKdaKernels(gpu, glm, core="hopper")
+    monkeypatch.setenv("KDARUN_WALK_ROWS", "48")
+    with pytest.raises(KdaError, match=r"the portable walk takes blocks of 64 or 32 state rows, "
+                                       r"got '48'"):
+        Glm5NextKdaKernels(gpu, glm, core="portable")
+
+
 def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
     """auto takes the Hopper walk where warpgroup MMAs exist and the portable one elsewhere;
     KDARUN_CORE or the core argument forces either, the argument first; forcing the Hopper walk

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from kdarun import synthetic
 from kdarun.dtypes import BF16
-from kdarun.kernels import SMEM_PER_BLOCK
+from kdarun.kernels import SMEM_PER_BLOCK, WALK_ROWS
 from kdarun.run import random_hidden
 from kdarun.stages import STAGE_TOL
 
@@ -140,15 +140,17 @@ def test_extreme_gates_long_sequence(cuda, tmp_path, core, gate, lower_bound, a_
 
 @pytest.mark.parametrize("T", [65, 1000, 4096])
 def test_portable_walk_agrees_with_the_hopper_walk(cuda, gpu_ckpts, T):
-    """Both walks from one warm state on the same layer: core and state within the chunked
-    core's fp32 tolerance of each other (they differ in summation order alone)."""
+    """Both walks (the portable one in blocks of both sizes) from one warm state on the same
+    layer: core and state within the chunked core's fp32 tolerance of each other (they differ
+    in summation order alone)."""
     if not cuda.has_wgmma:
         pytest.skip(f"{cuda.device_name} has no warpgroup MMAs: the Hopper walk cannot run")
     for name in ("softplus", "d128"):
         envs = {}
-        for core in ("hopper", "portable"):
+        for core in ("hopper", "portable", "portable:64"):
             with forced_core(core):
                 envs[core] = Env(cuda, gpu_ckpts[name], 4096)
+        assert envs["portable"].layer.kernels.walk_rows == WALK_ROWS // 2  # few heads: spread
         R, C = envs["hopper"].warm_state(seed=1200)
         h = random_hidden(T, envs["hopper"].cfg.hidden_size, seed=1201)
         got = {}
@@ -156,17 +158,19 @@ def test_portable_walk_agrees_with_the_hopper_walk(cuda, gpu_ckpts, T):
             st = env.state(R, C)
             env.prefill(h, st)
             got[core] = env.ws.read("core", T)[:T], st.download()[0]
-        assert rel(got["portable"][0], got["hopper"][0]) < FP32_TOL, name
-        assert rel(got["portable"][1], got["hopper"][1]) < FP32_TOL, name
+        for core in ("portable", "portable:64"):
+            assert rel(got[core][0], got["hopper"][0]) < FP32_TOL, (name, core)
+            assert rel(got[core][1], got["hopper"][1]) < FP32_TOL, (name, core)
 
 
+@pytest.mark.parametrize("walk", ["portable", "portable:64"])
 @pytest.mark.parametrize("name", ["softplus", "d128"])
-def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
+def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name, walk):
     """The chunk kernels as built for the GPUs whose block may take the least shared memory
     (99 KB: the intra kernel staging 32 dimensions at a time, the portable walk's shortest
     ring), run here: within the chunked core's tolerance of this GPU's own build and of the
     float64 recurrence fed the same buffers."""
-    with forced_core("portable"):
+    with forced_core(walk):
         env = Env(cuda, gpu_ckpts[name], 4096)
     cfg, T = env.cfg, 1000
     D = cfg.head_dim
@@ -176,8 +180,8 @@ def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name):
     for cc in (cuda.compute_capability, min(SMEM_PER_BLOCK, key=SMEM_PER_BLOCK.get)):
         kn = env.layer.kernels
         kn.use_build(cc)
-        assert max(cuda.shared_bytes(kn.modules[fam], f"{kernel}_d{D}") for fam, kernel in (
-            ("chunk", "kda_chunk_intra"), ("chunk_portable", "kda_chunk_inter_portable"))
+        assert max(cuda.shared_bytes(kn.modules[fam], kernel) for fam, kernel in (
+            ("chunk", f"kda_chunk_intra_d{D}"), ("chunk_portable", kn.chunk_inter_name))
         ) <= SMEM_PER_BLOCK[cc]
         st = env.state(R, C)
         env.prefill(h, st)
