@@ -149,21 +149,22 @@ def core_path(gpu: GpuBackend, core: str | None = None) -> str:
 
 
 def walk_rows(gpu: GpuBackend, cfg: Glm5NextKdaConfig, core: str) -> int:
-    """State rows a block of the `core` walk carries on `gpu`: $KDARUN_WALK_ROWS where set, else
-    WALK_ROWS (the Hopper walk's only size: a warpgroup MMA's m), or on the portable walk half of
-    them where blocks of WALK_ROWS would leave SMs idle (kimi-linear-48b's 32 heads: 64 blocks
-    on an H200's 132). The portable walk is bound by each SM's issue slots, so the same warps
-    spread over more SMs go faster."""
+    """State rows a block of the `core` walk carries on `gpu`. The Hopper walk has one size,
+    WALK_ROWS (a warpgroup MMA's m). The portable walk takes $KDARUN_WALK_ROWS where set, else
+    half of WALK_ROWS where the heads' blocks of half fit the SMs in one wave (kimi-linear-48b's
+    32 heads: 128 blocks on an H200's 132 SMs, where blocks of WALK_ROWS would be 64), else
+    WALK_ROWS. It is bound by each SM's issue slots, so the same warps spread over more SMs go
+    faster. A KDARUN_WALK_ROWS that is not a size of the portable walk is refused."""
     half = WALK_ROWS // 2
     want = os.environ.get("KDARUN_WALK_ROWS")
-    if want is None:
-        spread = core == "portable" and cfg.num_heads * cfg.head_dim // half <= gpu.sm_count
-        return half if spread else WALK_ROWS
-    sizes = (WALK_ROWS, half) if core == "portable" else (WALK_ROWS,)
-    if want not in {str(n) for n in sizes}:
-        raise KdaError(f"KDARUN_WALK_ROWS: the {core} walk takes blocks of "
-                       f"{' or '.join(map(str, sizes))} state rows, got {want!r}")
-    return int(want)
+    if want is not None and want not in (str(WALK_ROWS), str(half)):
+        raise KdaError(f"KDARUN_WALK_ROWS: the portable walk takes blocks of {WALK_ROWS} or "
+                       f"{half} state rows, got {want!r}")
+    if core != "portable":
+        return WALK_ROWS
+    if want is not None:
+        return int(want)
+    return half if cfg.num_heads * cfg.head_dim // half <= gpu.sm_count else WALK_ROWS
 
 
 def _blocks(n: int, per: int = THREADS) -> int:

@@ -27,8 +27,8 @@
 #include "chunk.cuh"
 #include "segments.cuh"
 
-// PR state rows a block: WALK_ROWS, or half of them where the heads' blocks of WALK_ROWS would
-// leave SMs idle (the walk is bound by each SM's issue, so its warps go to more SMs); a block of
+// PR state rows a block: WALK_ROWS, or half of them where the heads' blocks of half fit the SMs
+// in one wave (the walk is bound by each SM's issue, so its warps go to more SMs); a block of
 // PR rows reads the intra kernel's u slice of WALK_ROWS rows that holds them.
 template <int D, int PR>
 struct PWalk {
@@ -329,7 +329,7 @@ __device__ void walk_portable(const unsigned* __restrict__ qg, const unsigned* _
 }
 
 // The same arguments as kda_chunk_inter (and one host twin for all); blocks of WALK_ROWS rows
-// (kda_chunk_inter_portable_d{D}) or of half (_r32_d{D}: kernels.portable_walk_rows picks). The
+// (kda_chunk_inter_portable_d{D}) or of half (_r32_d{D}: kernels.walk_rows picks). The
 // dynamic shared memory, the slot ring and the pair's swap, is exported as <kernel>_smem.
 #define KDA_CHUNK_INTER_PORTABLE(NAME, D, PR)                                                  \
     extern "C" __global__ void __launch_bounds__(PWalk<D, PR>::BLOCK, 1)                     \

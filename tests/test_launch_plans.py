@@ -55,7 +55,8 @@ def test_the_portable_walk_spreads_its_warps_where_sms_would_idle(monkeypatch):
     """The portable walk takes blocks of half the rows where blocks of WALK_ROWS would leave SMs
     idle on this GPU (kimi-linear-48b's 32 heads on 132 SMs: 128 blocks, not 64), and blocks of
     WALK_ROWS where they fill it (glm-5.3-flash's 64 heads); the Hopper walk always WALK_ROWS.
-    KDARUN_WALK_ROWS forces a size the walk has, and refuses any other."""
+    KDARUN_WALK_ROWS forces a size of the portable walk (the Hopper walk has one), and any other
+    value is refused."""
     host = open_backend("host", announce=False)
 
     class H200Like(type(host)):
@@ -75,13 +76,12 @@ def test_the_portable_walk_spreads_its_warps_where_sms_would_idle(monkeypatch):
     assert Glm5NextKdaKernels(gpu, kimi, core="portable").walk_rows == kernels.WALK_ROWS
     monkeypatch.setenv("KDARUN_WALK_ROWS", str(half))
     assert Glm5NextKdaKernels(host, glm, core="portable").walk_rows == half
-    with pytest.raises(KdaError, match=r"KDARUN_WALK_ROWS: the hopper walk takes blocks of 64 "
-                                       r"state rows, got '32'"):
-        Glm5NextKdaKernels(gpu, glm, core="hopper")
+    assert Glm5NextKdaKernels(gpu, glm, core="hopper").walk_rows == kernels.WALK_ROWS  # one size
     monkeypatch.setenv("KDARUN_WALK_ROWS", "48")
-    with pytest.raises(KdaError, match=r"the portable walk takes blocks of 64 or 32 state rows, "
-                                       r"got '48'"):
-        Glm5NextKdaKernels(gpu, glm, core="portable")
+    for core in ("portable", "hopper"):
+        with pytest.raises(KdaError, match=r"KDARUN_WALK_ROWS: the portable walk takes blocks of "
+                                           r"64 or 32 state rows, got '48'"):
+            Glm5NextKdaKernels(gpu, glm, core=core)
 
 
 def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
@@ -95,6 +95,7 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
 
     cfg = synthetic.preset_config("tiny")
     monkeypatch.delenv("KDARUN_CORE", raising=False)
+    monkeypatch.delenv("KDARUN_WALK_ROWS", raising=False)
     assert Glm5NextKdaKernels(host, cfg).core == "hopper"
     kn = Glm5NextKdaKernels(NoWgmma(), cfg)
     assert kn.core == "portable" and kn.chunk_inter_name == "kda_chunk_inter_portable_d64"
