@@ -56,11 +56,6 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
         Y[r] = (W @ xr).astype(BF16)
 
 
-def dense_gemv_bf16_batch(gpu, w, x, y, part, tickets, n, k, m, ldx, ldy, ks=1):
-    # part and tickets: how the CUDA blocks of K shares meet; one host pass needs neither
-    dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks)
-
-
 def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                    out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks,
                    ks_early, ks_gate, early_blocks, proj_blocks):
@@ -363,7 +358,7 @@ def tp_round(gpu, acc, y, n):
 
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv,
-             "dense_gemv_bf16_batch": dense_gemv_bf16_batch, "front_end_gemv_batch": front_end_gemv},
+             "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
              "prefill_stage_copies": prefill_stage_copies,

@@ -295,26 +295,16 @@ class Glm5NextKdaKernels:
                             (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
-                               part: DevicePtr, tickets: DevicePtr, n: int, k: int,
-                               m: int) -> None:
+                               n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
-        reduction tree is the same for any m, so m rows are bit-identical to m single calls.
-        Past GEMV_COLUMNS rows each K share is a block of its own: they leave their sums in
-        part [ks, n, rows of a launch] fp32 and count themselves in tickets [n / GEMV_TILE]
-        int32 (zero between calls), and the last of a tile group adds them in share order."""
+        reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         for suffix, m0, rows in self._gemv_slabs(m):
-            xr, yr = x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize
-            if suffix:
-                cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE)
-                cfg = LaunchConfig((cfg.grid[0], ks, 1), cfg.block)
-                args = (w, xr, yr, part, tickets, i32(n), i32(k), i32(rows), i32(k), i32(n),
-                        i32(ks))
-            else:
-                cfg = self._gemv_cfg(n, ks)
-                args = (w, xr, yr, i32(n), i32(k), i32(rows), i32(k), i32(n), i32(ks))
-            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg, args, stream)
+            cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE) if suffix else self._gemv_cfg(n, ks)
+            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg,
+                         (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
+                          i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
 
     @functools.cached_property
     def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:

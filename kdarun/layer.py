@@ -234,9 +234,8 @@ class Glm5NextKdaLayer:
         c = self.cfg
         return Step("o_proj", "dense_gemv_bf16", ("final_out",),
                     lambda s: self.kernels.dense_gemv_bf16_batchm(
-                        s, self.weights.o_proj, ws.o_norm_out, ws.final_out,
-                        ws.ptr("o_proj_part"), ws.ptr("o_proj_tickets"), c.hidden_size, c.qkv,
-                        t))
+                        s, self.weights.o_proj, ws.o_norm_out, ws.final_out, c.hidden_size,
+                        c.qkv, t))
 
     def decode_steps(self, hidden: DevicePtr, k: int, state: KdaSeqState,
                      ws: Glm5NextKdaWorkspace,

@@ -19,7 +19,6 @@ from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, SEG_FIELDS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
-from .kernels import GEMV_BATCH_GROUPS, GEMV_COLUMNS, GEMV_TILE, GEMV_WARPS
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -122,13 +121,6 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("decode_sync", lambda c, t, tp: (t, c.num_heads), I32, False,
                "[sequences, H] int32", "decode: blocks of a (sequence, head) done with the "
                "recurrent step; zero between calls (the last block resets it)", poison=False),
-    BufferSpec("o_proj_part", lambda c, t, tp: (GEMV_WARPS, c.hidden_size,
-                                                min(t, GEMV_BATCH_GROUPS * GEMV_COLUMNS)),
-               F32, False, "[K shares, hidden, rows of a launch]",
-               "batched o_proj: each K share's sums, added in share order by the last block"),
-    BufferSpec("o_proj_tickets", lambda c, t, tp: (-(-c.hidden_size // GEMV_TILE),), I32, False,
-               "[hidden / GEMV_TILE] int32", "batched o_proj: the K shares of a tile group "
-               "done; zero between calls (the last block resets it)", poison=False),
     BufferSpec("snap_rec", lambda c, t, tp: (MAX_DECODE_ROWS - 1, c.num_heads, c.head_dim,
                                              c.head_dim), F32, False, "[K-1, H, Dv, Dk]",
                "decode_k: recurrent state after each row but the last"),

@@ -265,16 +265,14 @@ __host__ __device__ constexpr int slab_smem() {
     return slab_w_stages<TB>() * TB * GEMV_TILE * SLAB_RUNS * 16 + SLAB_X_BYTES;
 }
 
-// W[n0 : n0 + 16 TB, :K] x[:M, :K]^T over shares s0 .. s1 - 1 of ks: their sums added in share
-// order (all of them: the whole product); true in the warps whose tile has rows (< N), which
-// then hold out[gi] for token rows 8 (g0 + gi) + 2t, + 1 of rows n0 + 16 tile + g, + 8 (g0 as
+// W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then
+// hold out[gi] for token rows 8 (g0 + gi) + 2t, + 1 of rows n0 + 16 tile + g, + 8 (g0 as
 // slab_outputs gives it). Every thread of the block must call it. ready() runs in every thread
 // after the first stages' weight copies are issued and before any x is read.
 template <int TB, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
-                                          int ks, int s0, int s1, float (&out)[TB][4],
-                                          Ready ready = Ready()) {
+                                          int ks, float (&out)[TB][4], Ready ready = Ready()) {
     extern __shared__ uint4 ring[];  // [SW][16 TB][SLAB_RUNS] weights, then [SX][SLAB_ROWS][SLAB_RUNS] x
     constexpr int RUNS = SLAB_RUNS, WR = TB * GEMV_TILE, SW = slab_w_stages<TB>();
     constexpr int SX = GEMV_SLAB_X_STAGES, PER = 16 * GEMV_WARPS / RUNS;  // rows a pass of a half
@@ -283,22 +281,18 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const bool copies_w = warp < GEMV_WARPS / 2;
     const int ct = tid % (16 * GEMV_WARPS), c = tid % RUNS;  // this thread in its half
     const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
-    const int q = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K / ks;
-    const int rem = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K % ks;
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
     const int last = max(N - 1, 0);
     uint4* xring = ring + SW * WR * RUNS;
     // the idx-th stage in share order: shares below rem hold q + 1 stages, the rest q
-    const int big = rem * (q + 1);
     auto kblock = [&](int idx) {
+        const int big = rem * (q + 1);
         return idx < big ? idx / (q + 1) + ks * (idx % (q + 1))
                          : rem + (idx - big) / q + ks * ((idx - big) % q);
     };
-    auto share_start = [&](int s) { return s < rem ? s * (q + 1) : big + (s - rem) * q; };
-    const int i0 = share_start(s0), steps = share_start(s1) - i0;  // this block's stages
-    // the block's u-th stage, into ring slot u % SW
-    auto fill_w = [&](int u) {
-        const int k = kblock(i0 + u) * GEMV_STAGE_K + 8 * c;
-        uint4* st = ring + (u % SW) * WR * RUNS;
+    auto fill_w = [&](int idx) {
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = ring + (idx % SW) * WR * RUNS;
 #pragma unroll
         for (int i = 0; i < WR / PER; ++i) {
             const int r = PER * i + ct / RUNS;
@@ -309,9 +303,9 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     // rows past M of the last column group zero-filled; those of groups past M not copied
     // (no MMA reads them)
     const int mg = (M + 7) & ~7;
-    auto fill_x = [&](int u) {
-        const int k = kblock(i0 + u) * GEMV_STAGE_K + 8 * c;
-        uint4* st = xring + (u % SX) * SLAB_ROWS * RUNS;
+    auto fill_x = [&](int idx) {
+        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
+        uint4* st = xring + (idx % SX) * SLAB_ROWS * RUNS;
 #pragma unroll
         for (int i = 0; i < SLAB_ROWS / PER; ++i) {
             const int m = PER * i + ct / RUNS;
@@ -336,7 +330,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const bool mine = n0 + tile * GEMV_TILE < N;
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's A row
     float acc[TB][2][4] = {};  // even and odd k16 blocks, as gemv_tile's chains
-    int share = s0, left = q + (s0 < rem);  // stages left in this share
+    int share = 0, left = q + (rem > 0);  // stages left in this share
     for (int idx = 0; idx < steps; ++idx) {
         if (copies_w) cp_wait<SW - 2>();
         else cp_wait<SX - 2>();
@@ -372,7 +366,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float p = acc[gi][0][i] + acc[gi][1][i];
-                    out[gi][i] = share == s0 ? p : out[gi][i] + p;
+                    out[gi][i] = share == 0 ? p : out[gi][i] + p;
                     acc[gi][0][i] = acc[gi][1][i] = 0.0f;
                 }
             ++share;
@@ -397,37 +391,15 @@ __device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, 
         }
 }
 
-// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block, one K share a block (blockIdx.y
-// of ks), so o_proj's few tiles still fill the SMs. Each block stores its share's sums to
-// part [ks][N][M] fp32; the last of a tile group's ks blocks to finish (tickets, one a group,
-// zero between calls: it resets its own) adds them in share order, decode's sum, and writes y.
+// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block.
 template <int TB>
 __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
-                                           bf16* __restrict__ y, float* __restrict__ part,
-                                           int* __restrict__ tickets, int N, int K, int M,
-                                           int ldx, int ldy, int ks) {
-    __shared__ bool last;
-    const int n0 = blockIdx.x * TB * GEMV_TILE, share = blockIdx.y;
+                                           bf16* __restrict__ y, int N, int K, int M, int ldx,
+                                           int ldy, int ks) {
+    const int n0 = blockIdx.x * TB * GEMV_TILE;
     float out[TB][4];
-    const bool mine = gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, share, share + 1, out);
-    if (mine)
-        slab_outputs(out, n0, N, M, [&](int n, int m, float v) {
-            part[((u64)share * N + n) * M + m] = v;
-        });
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&tickets[blockIdx.x], 1) == ks - 1;
-        if (last) tickets[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (!last || !mine) return;
-    __threadfence();
-    slab_outputs(out, n0, N, M, [&](int n, int m, float) {
-        float s = __ldcg(part + (u64)n * M + m);
-        for (int j = 1; j < ks; ++j) s += __ldcg(part + ((u64)j * N + n) * M + m);
-        y[(u64)m * ldy + n] = f2bf(s);
-    });
+    if (gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, out))
+        slab_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
 // front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's
@@ -449,8 +421,7 @@ __device__ __forceinline__ void front_end_slab(
         const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
         const int n_end = is_early ? N : 3 * qkv;  // rows past it: another region's
         float out[TB][4];
-        const int kse = is_early ? ks_early : ks;
-        if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, kse, 0, kse, out))
+        if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, is_early ? ks_early : ks, out))
             slab_outputs(out, n0, n_end, M, [&](int n, int m, float v) {
                 const bf16 r = f2bf(v);
                 if (n < 3 * qkv) {
@@ -479,8 +450,8 @@ __device__ __forceinline__ void front_end_slab(
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv;
         float out[TB][4];
-        if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate, 0,
-                          ks_gate, out, early_done))  // f_b / g_b load while the early blocks finish
+        if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
+                          out, early_done))  // f_b / g_b load while the early blocks finish
             slab_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
                            bounded, c, m, v);
@@ -498,9 +469,9 @@ dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int 
     dense_gemv(W, x, y, N, K, M, ldx, ldy, ks);
 }
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BATCH_BLOCKS_PER_SM)
-dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, float* part, int* tickets, int N,
-                      int K, int M, int ldx, int ldy, int ks) {
-    dense_slab<GEMV_SLAB_TILES_DENSE>(W, x, y, part, tickets, N, K, M, ldx, ldy, ks);
+dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx,
+                      int ldy, int ks) {
+    dense_slab<GEMV_SLAB_TILES_DENSE>(W, x, y, N, K, M, ldx, ldy, ks);
 }
 #define FRONT_END_ENTRY(NAME, BLOCKS, BODY)                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, BLOCKS) NAME(                 \
