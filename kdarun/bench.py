@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -381,45 +381,46 @@ def prefill_flops(cfg: Glm5NextKdaConfig, t: int) -> int:
 
 def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                   gate: str = "bounded", fla: bool = False,
-                  flashkda: bool = True) -> list[PrefillResult]:
-    """Prefill at each T: the layer, and the core, the GEMMs and each step inside it. With `fla`,
-    fla's layer and its chunk_kda on the same shapes take turns with the layer rep by rep.
-    Where the layer runs the Hopper walk, the portable walk is timed beside it; where FlashKDA
-    is importable and applies (and `flashkda`), its forward takes its turn too."""
+                  flashkda: bool = True) -> Iterator[PrefillResult]:
+    """Prefill at each T, one result as each T is done: the layer, and the core, the GEMMs and
+    each step inside it. With `fla`, fla's layer and its chunk_kda on the same shapes take turns
+    with the layer rep by rep. Where the layer runs the Hopper walk, the portable walk is timed
+    beside it; where FlashKDA is importable and applies (and `flashkda`), its forward takes its
+    turn too. The device buffers go back when the iteration ends or is closed."""
     cfg = synthetic.preset_config(preset, gate)
     fla_timers = _fla_prefill_timers(cfg) if fla else None
     flashkda_timer = _flashkda_timer(cfg) if flashkda and flashkda_available() else None
     layer, ws, state, h = random_layer(gpu, cfg, max(tokens), stream)
     portable = (Glm5NextKdaKernels(gpu, cfg, core="portable")
                 if layer.kernels.core == "hopper" else None)
-    out = []
-    for t in tokens:
-        reps = 30 if t <= 4096 else 10
-        timers = [lambda: time_once(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream),
-                                    stream)]
-        timers += fla_timers(t) if fla_timers else []
-        timers += [flashkda_timer(t)] if flashkda_timer else []
-        ms, *others = medians_in_turn(timers, reps, 3)
-        fla_ms = others[:2] if fla_timers else []
-        table = layer.prefill_steps(h, t, state, ws)
-        steps = step_medians(gpu, table, stream, reps, 3)
-        core = steps["chunk_intra"] + steps["chunk_inter"]
-        gemm = sum(steps[step.name] for step in table if step.gemm)
-        kernels = {step.name: steps[step.name] for step in table if not step.gemm}
-        r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
-                          prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
-                          flashkda_core_ms=others[-1] if flashkda_timer else None,
-                          core_gate_ms=core + steps["gate_beta"])
-        if portable is not None:
-            chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
-            r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
-                [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
-                    stream, *chunk, state.recurrent, ws.core, t), stream)
-                 for kn in (layer.kernels, portable)], reps, 3)
-            r.portable_core_ms = steps["chunk_intra"] + r.portable_walk_ms
-        out.append(r)
-    _release(gpu, [layer], [state], ws, h)
-    return out
+    try:
+        for t in tokens:
+            reps = 30 if t <= 4096 else 10
+            timers = [lambda: time_once(gpu, lambda: layer.prefill(gpu, h, t, state, ws, stream),
+                                        stream)]
+            timers += fla_timers(t) if fla_timers else []
+            timers += [flashkda_timer(t)] if flashkda_timer else []
+            ms, *others = medians_in_turn(timers, reps, 3)
+            fla_ms = others[:2] if fla_timers else []
+            table = layer.prefill_steps(h, t, state, ws)
+            steps = step_medians(gpu, table, stream, reps, 3)
+            core = steps["chunk_intra"] + steps["chunk_inter"]
+            gemm = sum(steps[step.name] for step in table if step.gemm)
+            kernels = {step.name: steps[step.name] for step in table if not step.gemm}
+            r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
+                              prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
+                              flashkda_core_ms=others[-1] if flashkda_timer else None,
+                              core_gate_ms=core + steps["gate_beta"])
+            if portable is not None:
+                chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
+                r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
+                    [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
+                        stream, *chunk, state.recurrent, ws.core, t), stream)
+                     for kn in (layer.kernels, portable)], reps, 3)
+                r.portable_core_ms = steps["chunk_intra"] + r.portable_walk_ms
+            yield r
+    finally:
+        _release(gpu, [layer], [state], ws, h)
 
 
 @dataclass

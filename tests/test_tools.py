@@ -1,7 +1,8 @@
 """Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, the
-tree A/B's export, flattening and table, the intra kernel's phase marks, and the sweep's
-variants."""
+tree A/B's export, flattening and table, the intra kernel's phase marks, the sweep's
+variants, and gpu_check's modes and budget."""
 
+import argparse
 import importlib.util
 import re
 import shutil
@@ -162,3 +163,28 @@ def test_sweep_variants_are_the_product_of_the_sets():
             sweep.parse_sets([bad], kernels)
     with pytest.raises(SystemExit, match="given twice"):
         sweep.parse_sets(["GEMV_SLAB_TILES=4", "GEMV_SLAB_TILES=8"], kernels)
+
+
+def test_gpu_check_modes_keep_their_order_and_refuse_unknown_names():
+    gpu_check = _tool("gpu_check")
+    assert gpu_check.parse_modes("prefill,batch,prefill") == ["prefill", "batch"]
+    assert gpu_check.parse_modes(" decode ") == ["decode"]
+    for bad in ("prefil", "prefill,", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown mode"):
+            gpu_check.parse_modes(bad)
+    with pytest.raises(SystemExit):  # ab_trees takes the same names
+        ab_trees.main(["run", str(ROOT), "--only", "walk"])
+
+
+def test_gpu_check_budget_lets_nothing_start_past_its_end():
+    gpu_check = _tool("gpu_check")
+    now = [0.0]
+    budget = gpu_check.Budget(10.0, clock=lambda: now[0])
+    assert budget.allows("prefill T=64")
+    now[0] = 9.9
+    assert budget.allows("prefill T=1024")
+    now[0] = 10.0
+    assert not budget.allows("prefill T=4096") and not budget.allows("batch B=64 K=1")
+    assert budget.skipped == ["prefill T=4096", "batch B=64 K=1"]
+    unlimited = gpu_check.Budget(None, clock=lambda: 1e12)
+    assert unlimited.allows("decode") and unlimited.skipped == []

@@ -8,7 +8,7 @@ tree's.
 
     python3 tools/ab_trees.py export DIR REF [REF ...]      # here: `git archive` each ref
     PYTHONPATH=. python3 tools/ab_trees.py run TREE [TREE ...] [--rounds 2] [--tests]
-        [--only decode|batch|varlen|prefill] [--tokens 4096,16384] [--batch 1,64,256]
+        [--only prefill,batch] [--tokens 4096,16384] [--batch 1,64,256]
         [--presets kimi-linear-48b,glm-5.3-flash]            # on the device machine
 
 `export` writes DIR/<ref> (slashes become '-'); keep DIR in an ignored folder and carry it.
@@ -27,6 +27,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import MODES, parse_modes  # noqa: E402  (this tree's, beside this file)
 
 TEST_TIMEOUT_S = 300  # a tree whose kernels hang is dropped, not waited on
 
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("trees", nargs="+", type=Path)
     rn.add_argument("--rounds", type=int, default=2)
     rn.add_argument("--tests", action="store_true", help="each tree's GPU tests first")
-    rn.add_argument("--only", choices=("decode", "batch", "varlen", "prefill"))
+    rn.add_argument("--only", type=parse_modes,
+                    help=f"benchmark modes, comma-separated ({', '.join(MODES)})")
     rn.add_argument("--tokens", help="prefill lengths, comma-separated")
     rn.add_argument("--batch", help="batched decode's sequence counts, comma-separated")
     rn.add_argument("--presets", help="presets, comma-separated")
@@ -155,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(t) for t in args.trees if not (t / "tools" / "gpu_check.py").is_file()]
     if missing:
         ap.error(f"not a kdarun tree (no tools/gpu_check.py): {', '.join(missing)}")
-    bench_args = [f"--{name}={getattr(args, name)}" for name in ("only", "tokens", "batch", "presets")
-                  if getattr(args, name)]
+    bench_args = [f"--{name}={getattr(args, name)}" for name in ("tokens", "batch", "presets")
+                  if getattr(args, name)] + ([f"--only={','.join(args.only)}"] if args.only else [])
     print(run([t.resolve() for t in args.trees], args.rounds, args.tests, bench_args))
     return 0
 
