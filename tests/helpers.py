@@ -29,22 +29,21 @@ def forced_core(core: str):
     """Layers bound inside take the chunked core's walk `core` ("hopper", "portable", or
     "portable:64" / "portable:32" for its blocks of that many state rows), by KDARUN_CORE and
     KDARUN_WALK_ROWS (the documented switches), which are restored after."""
-    name, _, rows = core.partition(":")
-    want = {"KDARUN_CORE": name, "KDARUN_WALK_ROWS": rows or None}
-    before = {k: os.environ.get(k) for k in want}
-    for k, v in want.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in before.items():
+    def put(values: dict[str, str | None]) -> None:  # None: unset
+        for k, v in values.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    name, _, rows = core.partition(":")
+    want = {"KDARUN_CORE": name, "KDARUN_WALK_ROWS": rows or None}
+    before = {k: os.environ.get(k) for k in want}
+    put(want)
+    try:
+        yield
+    finally:
+        put(before)
 
 
 class Env:
