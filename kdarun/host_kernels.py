@@ -194,18 +194,32 @@ def _kda_decode_rows(D):
     return run
 
 
+def _checked_slot(gpu, s, nslots, fault, table, entry) -> int:
+    """recurrent.cu's checked_slot: s where it is -1 or in [0, nslots), else -1, the first such
+    entry recorded in fault {seen, table, entry, value}."""
+    s = int(s)
+    if -1 <= s < nslots:
+        return s
+    words = gpu.view(fault, 4, np.int32)
+    if not words[0]:
+        words[:] = (1, table, entry, s)
+    return -1
+
+
 def _kda_decode_batch(D):
     def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
-            o_norm_out, slots, snap_slots, sync, nseq, nrows, nsnap, H, W, scale, eps):
+            o_norm_out, slots, snap_slots, nslots, fault, sync, nseq, nrows, nsnap, H, W, scale,
+            eps):
         rec, cst = _state_bytes(H, D, W)
         table = gpu.view(slots, nseq, np.int32)
         snaps = gpu.view(snap_slots, (nseq, nrows - 1), np.int32) if nsnap else None
         for b in range(nseq):
-            slot = int(table[b])
+            slot = _checked_slot(gpu, table[b], nslots, fault, 0, b)
             if slot < 0:  # a padding row
                 continue
-            to = [(rec_pool + int(i) * rec, conv_pool + int(i) * cst) if i >= 0 else None
-                  for i in (snaps[b] if nsnap else ())]
+            snap = [_checked_slot(gpu, i, nslots, fault, 1, b * (nrows - 1) + r)
+                    for r, i in enumerate(snaps[b] if nsnap else ())]
+            to = [(rec_pool + i * rec, conv_pool + i * cst) if i >= 0 else None for i in snap]
             _decode_sequence(gpu, D, x, conv_pool + slot * cst, conv_w, conv_out, gate, beta,
                              rec_pool + slot * rec, core, out_gate, o_norm_w, o_norm_out, to,
                              b * nrows, nrows, H, W, scale, eps)
@@ -214,8 +228,8 @@ def _kda_decode_batch(D):
 
 def _kda_decode_rows_slot(D):
     def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
-            o_norm_out, slots, sync, H, W, scale, eps):
-        slot = int(gpu.view(slots, 1, np.int32)[0])
+            o_norm_out, slots, nslots, fault, sync, H, W, scale, eps):
+        slot = _checked_slot(gpu, gpu.view(slots, 1, np.int32)[0], nslots, fault, 0, 0)
         if slot >= 0:
             rec, cst = _state_bytes(H, D, W)
             _decode_sequence(gpu, D, x, conv_pool + slot * cst, conv_w, conv_out, gate, beta,

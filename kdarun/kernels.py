@@ -454,14 +454,16 @@ class Glm5NextKdaKernels:
                          conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr,
                          beta: DevicePtr, rec_pool: DevicePtr, core: DevicePtr,
                          out_gate: DevicePtr, o_norm_w: DevicePtr, o_norm_out: DevicePtr,
-                         slots: DevicePtr, snap_slots: DevicePtr | None, sync: DevicePtr,
-                         nseq: int, nrows: int) -> None:
+                         slots: DevicePtr, snap_slots: DevicePtr | None, nslots: int,
+                         fault: DevicePtr, sync: DevicePtr, nseq: int, nrows: int) -> None:
         """kda_decode_rows for nseq sequences of nrows rows each, one launch, the row buffers
         holding them one after the other: sequence b's states are slot slots[b] (int32 [nseq]
-        on the device) of the pools rec_pool [slots, H, Dv, Dk] fp32 and conv_pool [slots, W-1,
-        conv_dim] bf16; a slot < 0 is a padding row whose blocks touch nothing. With snap_slots
+        on the device) of the pools rec_pool [nslots, H, Dv, Dk] fp32 and conv_pool [nslots,
+        W-1, conv_dim] bf16; -1 is a padding row whose blocks touch nothing. With snap_slots
         (int32 [nseq, nrows-1]) the state after each row but the last goes to that pool slot
-        (< 0: skipped). sync [nseq, H] int32, zero on entry, left zero. Each row takes
+        (-1: skipped). An entry outside [-1, nslots) acts as -1 and is recorded in fault
+        (the pool's fault words, `KdaStatePool.check_faults`). sync [nseq, H] int32, zero on
+        entry, left zero. Each row takes
         kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
         batch splits each head's state rows over more blocks (`_batch_split`). One sequence of
         one row takes decode's own launch at its slot (`batch_rows_kernel`)."""
@@ -474,8 +476,9 @@ class Glm5NextKdaKernels:
             cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
             self._launch("recurrent", self.batch_rows_kernel(nseq, nrows), cfg,
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
-                          o_norm_w, o_norm_out, slots, sync, i32(c.num_heads),
-                          i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+                          o_norm_w, o_norm_out, slots, i32(nslots), fault, sync,
+                          i32(c.num_heads), i32(c.conv_kernel), f32(c.scale),
+                          f32(c.rms_norm_eps)), stream)
             return
         split = self._batch_split(nseq)
         smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)
@@ -483,8 +486,9 @@ class Glm5NextKdaKernels:
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,
-                      sync, i32(nseq), i32(nrows), i32(nsnap), i32(c.num_heads),
-                      i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)), stream)
+                      i32(nslots), fault, sync, i32(nseq), i32(nrows), i32(nsnap),
+                      i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
+                     stream)
 
     def batch_rows_kernel(self, nseq: int, nrows: int) -> str:
         """The entry kda_decode_batch launches: decode's own (`kda_decode_rows_slot`) for one

@@ -315,7 +315,7 @@ class Glm5NextKdaLayer:
                      lambda s: self.kernels.kda_decode_batch(
                          s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,
                          pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, slots,
-                         snapshot_slots, ws.ptr("decode_sync"), b, k)),
+                         snapshot_slots, pool.slots, pool.faults, ws.ptr("decode_sync"), b, k)),
                 self._o_proj_step(rows, ws)]
 
     def check_batch(self, gpu: GpuBackend, what: str, b: int, k: int, slots: DevicePtr,
@@ -324,7 +324,8 @@ class Glm5NextKdaLayer:
         """A batched call's arguments, before anything runs: the counts, the workspace and
         pool against this layer, the tables' pointers, and, on a backend where reading them
         costs nothing (`GpuBackend.reads_tables_free`: the host), the tables themselves
-        (`KdaStatePool.check_tables`); the CUDA kernels read them unchecked."""
+        (`KdaStatePool.check_tables`); the CUDA kernels keep an entry outside the pool from it
+        and record it (`KdaStatePool.check_faults`)."""
         b = check_int(b, f"{what}: the batch", 1)
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         self.check_fits(ws, pool=pool)

@@ -3,7 +3,9 @@
 One allocation holds every slot's recurrent state `[slots, H, D_v, D_k]` fp32 and one every
 slot's conv state `[slots, W-1, conv_dim]` bf16, each slot laid out as `KdaSeqState`. The
 batched calls take a device slot table (int32, one entry a sequence; -1 marks a padding row
-that reads and writes no state), so a captured CUDA graph replays with new assignments.
+that reads and writes no state), so a captured CUDA graph replays with new assignments. The
+kernels never reach outside the pool: an entry that is neither -1 nor a slot acts as -1 and is
+recorded in the pool's fault words, which `check_faults` (and `download`) turn into an error.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class KdaStatePool(DeviceOwner):
     """`slots` sequences' states, zeroed on creation. After `free()` the pool, and every slot
     state `state(slot)` gave out, refuse every use."""
 
-    _DEVICE_ATTRS = ("recurrent", "conv")
+    _DEVICE_ATTRS = ("recurrent", "conv", "faults")
+    FAULT_WORDS = 4  # faults: int32 {seen, table (0 slots, 1 snapshot slots), entry, value}
 
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, slots: int, stream: int = 0):
         self.cfg = check_config(cfg, "state pool")
@@ -36,6 +39,8 @@ class KdaStatePool(DeviceOwner):
         self.conv = gpu.alloc(self.slots * self.conv_nbytes)  # [slots, W-1, conv_dim] bf16
         gpu.memset(self.recurrent, 0, self.slots * self.recurrent_nbytes, stream)
         gpu.memset(self.conv, 0, self.slots * self.conv_nbytes, stream)
+        self.faults = gpu.alloc(self.FAULT_WORDS * 4)  # the first bad table entry a kernel saw
+        gpu.memset(self.faults, 0, self.FAULT_WORDS * 4, stream)
 
     def check_slots(self, slots: Sequence[int], what: str, skip: bool = False) -> None:
         """Every entry a slot of this pool, an integer in [0, slots), or -1 where `skip`:
@@ -70,8 +75,27 @@ class KdaStatePool(DeviceOwner):
         self.state(slot).upload(recurrent, conv, stream)
 
     def download(self, slot: int, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises."""
+        """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises.
+        Raises `check_faults`' error first, as a slot's state may be stale after one."""
+        self.check_faults(stream, "state pool download")
         return self.state(slot).download(stream)
+
+    def check_faults(self, stream: int = 0, what: str = "state pool check_faults") -> None:
+        """Raise a KdaError naming the first slot table entry a batched call's kernels met that
+        was neither -1 nor a slot of this pool, if any since the last check; the fault words
+        are then cleared. That entry's row read and wrote no state (as a padding row), so its
+        outputs are not that sequence's. The CUDA kernels record such entries rather than
+        reach outside the pool; `check_tables` finds them (and twice-named slots) before a
+        call instead. Synchronises."""
+        self._require_live(what)
+        seen, table, entry, value = self._gpu.download(self.faults, (self.FAULT_WORDS,),
+                                                       np.int32, stream)
+        if seen:
+            self._gpu.memset(self.faults, 0, self.FAULT_WORDS * 4, stream)
+            kind = "snapshot slot" if table else "slot"
+            raise KdaError(f"{what}: a batched call met {kind} {value} at entry {entry} of its "
+                           f"table, neither -1 (skip) nor a slot in [0, {self.slots}); that row "
+                           "read and wrote no state, so its outputs are not its sequence's")
 
     def check_tables(self, slots: DevicePtr, b: int, snapshot_slots: DevicePtr | None = None,
                      k: int = 1, stream: int = 0, what: str = "state pool check_tables") -> None:
@@ -118,6 +142,7 @@ class KdaStatePool(DeviceOwner):
         with self._freeing():
             self._gpu.free(self.recurrent)
             self._gpu.free(self.conv)
+            self._gpu.free(self.faults)
 
 
 class _SlotState(KdaSeqState):

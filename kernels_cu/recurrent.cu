@@ -9,6 +9,21 @@
 #include "norm.cuh"
 #include "sm90.cuh"
 
+// An entry of a device slot table as the kernels use it: itself where it is -1 (skip) or a slot
+// of the pool, [0, nslots); -1 for anything else, recorded in the pool's fault words {seen,
+// table (0 slots, 1 snapshot slots), entry, value} (the first seen wins) for
+// KdaStatePool.check_faults. So a wrong entry touches nothing outside the pool: its row reads
+// and writes no state, as a padding row.
+// The recording is a call of its own: inlined, its cold path cost the batch kernel registers.
+__device__ __noinline__ void record_fault(int* fault, int table, int entry, int s) {
+    if (atomicCAS(fault, 0, 1) == 0) fault[1] = table, fault[2] = entry, fault[3] = s;
+}
+__device__ __forceinline__ int checked_slot(int s, int nslots, int* fault, int table, int entry) {
+    if (s >= -1 && s < nslots) return s;
+    record_fault(fault, table, entry, s);
+    return -1;
+}
+
 #define ROWS_PER_WARP 8
 
 // A lane's E = D/32 adjacent state values as one 16- or 8-byte access: a quarter (or half) of
@@ -285,7 +300,8 @@ __device__ __forceinline__ void decode_batch(
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
     float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
-    int* __restrict__ sync, int nrows, int nsnap, int H, int W, float scale, float eps) {
+    int nslots, int* __restrict__ fault, int* __restrict__ sync, int nrows, int nsnap, int H,
+    int W, float scale, float eps) {
     constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
     constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PR = RPW / P;  // PR: steps at split 1
     constexpr int G = 2;  // steps a warp takes at once: independent chains of sums
@@ -340,7 +356,9 @@ __device__ __forceinline__ void decode_batch(
         }
         cp_commit();
     }
-    if (tid < nsnap) snap[tid] = snap_slots[tid];
+    if (tid < nsnap)  // entry blockIdx.z (nrows - 1) + tid of the launch's snapshot table
+        snap[tid] = checked_slot(snap_slots[tid], nslots, fault, 1,
+                                 blockIdx.z * (nrows - 1) + tid);
     if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
     if (tid < D) nws[tid] = o_norm_w[tid];
     bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
@@ -476,18 +494,20 @@ __device__ __forceinline__ void decode_batch(
 }
 
 // A batch: sequence b = blockIdx.z < nseq takes rows b nrows.. of the row buffers and the
-// states of slot slots[b] in pools [slots, H, Dv, Dk] and [slots, W-1, conv_dim] (a slot < 0
-// is a padding row: its blocks read and write nothing); the state after its row r < nsnap goes
-// to pool slot snap_slots[b (nrows-1) + r] (< 0: skipped). sync has a counter per (sequence,
-// head).
+// states of slot slots[b] in pools [nslots, H, Dv, Dk] and [nslots, W-1, conv_dim] (-1 is a
+// padding row: its blocks read and write nothing); the state after its row r < nsnap goes to
+// pool slot snap_slots[b (nrows-1) + r] (-1: skipped). An entry outside [-1, nslots) acts as
+// -1 and is recorded in fault (checked_slot). sync has a counter per (sequence, head).
 #define KDA_DECODE_BATCH(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(2 * D, DECODE_BATCH_BLOCKS_PER_SM)             \
     kda_decode_batch_d##D(const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out,  \
                           const float* gate, const float* beta, float* rec_pool, float* core,   \
                           const bf16* out_gate, const float* o_norm_w, bf16* o_norm_out,        \
-                          const int* slots, const int* snap_slots, int* sync, int nseq,         \
-                          int nrows, int nsnap, int H, int W, float scale, float eps) {         \
-        const int b = blockIdx.z, slot = b < nseq ? slots[b] : -1;                              \
+                          const int* slots, const int* snap_slots, int nslots, int* fault,      \
+                          int* sync, int nseq, int nrows, int nsnap, int H, int W, float scale, \
+                          float eps) {                                                          \
+        const int b = blockIdx.z;                                                               \
+        const int slot = b < nseq ? checked_slot(slots[b], nslots, fault, 0, b) : -1;           \
         if (slot < 0) return;                                                                   \
         const int qkv = H * D, conv_dim = 3 * qkv;                                              \
         const u64 r0 = (u64)b * nrows;                                                          \
@@ -495,19 +515,20 @@ __device__ __forceinline__ void decode_batch(
                         conv_out + r0 * conv_dim, gate + r0 * qkv, beta + r0 * H,               \
                         rec_pool + (u64)slot * H * D * D, core + r0 * qkv, out_gate + r0 * qkv, \
                         o_norm_w, o_norm_out + r0 * qkv, rec_pool, conv_pool,                   \
-                        snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0), sync + (u64)b * H,   \
-                        nrows, nsnap, H, W, scale, eps);                                        \
+                        snap_slots + (u64)b * (nrows > 1 ? nrows - 1 : 0), nslots, fault,       \
+                        sync + (u64)b * H, nrows, nsnap, H, W, scale, eps);                     \
     }
 // Batched decode of one sequence and one token: decode's own launch at the pool slot the device
-// table names (< 0: a padding row, nothing read or written), so the batch of one costs what
-// decode costs, its bits are decode's, and a captured graph replays with a new table.
+// table names (-1: a padding row, nothing read or written; outside [-1, nslots): the same, and
+// recorded in fault), so the batch of one costs what decode costs, its bits are decode's, and a
+// captured graph replays with a new table.
 #define KDA_DECODE_ROWS_SLOT(D)                                                                  \
     extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_rows_slot_d##D(              \
         const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate,  \
         const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
-        const float* o_norm_w, bf16* o_norm_out, const int* slots, int* sync, int H, int W,     \
-        float scale, float eps) {                                                               \
-        const int slot = slots[0];                                                              \
+        const float* o_norm_w, bf16* o_norm_out, const int* slots, int nslots, int* fault,      \
+        int* sync, int H, int W, float scale, float eps) {                                      \
+        const int slot = checked_slot(slots[0], nslots, fault, 0, 0);                           \
         if (slot < 0) return;                                                                   \
         decode_rows<D, DECODE_SPLIT>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w,    \
                                      conv_out, gate, beta, rec_pool + (u64)slot * H * D * D,    \

@@ -6,6 +6,7 @@ import os
 from contextlib import contextmanager
 
 import numpy as np
+import pytest
 
 from kdarun import KdaSeqState, prefill_windowed, reference
 from kdarun.dtypes import BF16
@@ -250,6 +251,72 @@ def assert_batch_matches_single(env: Env, B: int, K: int, seed: int, pad: int = 
         rec, conv = pool.download(s)
         assert np.isnan(rec).all() and np.array_equal(bits(conv), bits(poison[1])), f"slot {s}"
     for p in (d_table, d_snap, d_h):
+        gpu.free(p)
+    pool.free()
+
+
+def assert_bad_entries_touch_nothing(env: Env, K: int, checked_by_call: bool) -> None:
+    """A slot table entry outside [-1, slots) that reaches the batch kernels (decode_batch,
+    K = 1, a bad slot; verify_batch, K = 2, a bad snapshot slot) acts as -1: every slot no good
+    entry names keeps its bytes, the good rows equal their sequences' decode / decode_k bit for
+    bit, and pool.check_faults names the bad entry, once. Where the call checks its tables
+    first (`checked_by_call`: the host backend), it refuses them and the steps are run without
+    it, as the CUDA path runs them."""
+    from kdarun import KdaError
+    from kdarun.layer import SeqRows
+    from kdarun.pool import KdaStatePool
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 4)
+    states = batch_states(env, 2, seed=70 + K)
+    for s in range(4):
+        pool.upload(s, *(states[s] if s < 2 else env.warm_state(seed=72 + s)))
+    before = [pool.download(s) for s in range(4)]
+    table = [0, 9, 1] if K == 1 else [0, 1]  # decode: row 1 names no slot
+    snaps = None if K == 1 else [[7], [2]]   # verify: row 0's snapshot names no slot
+    rows = len(table)
+    h = random_hidden(rows * K, cfg.hidden_size, 74)
+    d_table, d_h = gpu.upload(np.array(table, np.int32)), gpu.upload(h)
+    d_snap = None if snaps is None else gpu.upload(np.array(snaps, np.int32))
+    env.ws.poison(0)
+    if checked_by_call:
+        with pytest.raises(KdaError, match="neither -1"):
+            if K == 1:
+                env.layer.decode_batch(gpu, d_h, rows, d_table, pool, env.ws, 0)
+            else:
+                env.layer.verify_batch(gpu, d_h, rows, K, d_table, pool, env.ws, d_snap, 0)
+        env.layer.run_steps(gpu, env.layer.batch_steps(d_h, rows, K, d_table, pool, env.ws, d_snap),
+                            rows * K, None, env.ws, 0, SeqRows.uniform(rows, K))
+    elif K == 1:
+        env.layer.decode_batch(gpu, d_h, rows, d_table, pool, env.ws, 0)
+    else:
+        env.layer.verify_batch(gpu, d_h, rows, K, d_table, pool, env.ws, d_snap, 0)
+    out = env.ws.read("final_out", rows * K)
+    kind, entry, value = ("slot", 1, 9) if K == 1 else ("snapshot slot", 0, 7)
+    with pytest.raises(KdaError, match=f"met {kind} {value} at entry {entry} of its table, "
+                       r"neither -1 \(skip\) nor a slot in \[0, 4\)"):
+        pool.check_faults()
+    pool.check_faults()  # cleared
+    good = {0: 0, 2: 1} if K == 1 else {0: 0, 1: 1}  # row -> sequence (= its slot)
+    for r, i in good.items():
+        single, dst = env.state(*states[i]), env.state()
+        hp = gpu.upload(np.ascontiguousarray(h[r * K:(r + 1) * K]))
+        if K == 1:
+            env.layer.decode(gpu, hp, single, env.ws, 0)
+        else:
+            env.layer.decode_k(gpu, hp, K, single, env.ws, [(dst.recurrent, dst.conv)], 0)
+        assert np.array_equal(bits(out[r * K:(r + 1) * K]), bits(env.ws.read("final_out", K)))
+        for a, b in zip(pool.download(i), single.download()):
+            assert np.array_equal(bits(a), bits(b)), f"row {r}: state"
+        if K == 2 and r == 1:  # its snapshot went to slot 2
+            for a, b in zip(pool.download(2), dst.download()):
+                assert np.array_equal(bits(a), bits(b)), "row 1: snapshot"
+        gpu.free(hp)
+        single.free()
+        dst.free()
+    for s in ((2, 3) if K == 1 else (3,)):  # named by no good entry
+        for x, y in zip(before[s], pool.download(s)):
+            assert np.array_equal(bits(x), bits(y)), f"slot {s}"
+    for p in (d_table, d_h) + (() if d_snap is None else (d_snap,)):
         gpu.free(p)
     pool.free()
 

@@ -10,8 +10,8 @@ from kdarun import KdaError, kernels, open_backend, synthetic
 from kdarun.kernels import GEMV_SLAB_TILES, GEMV_TILE, Glm5NextKdaKernels
 from kdarun.pool import KdaStatePool
 
-from .helpers import (Env, assert_batch_matches_single, assert_packed_matches_alone, bits,
-                      random_hidden)
+from .helpers import (Env, assert_bad_entries_touch_nothing, assert_batch_matches_single,
+                      assert_packed_matches_alone, bits, random_hidden)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,26 @@ def test_bad_slot_tables_are_refused_before_any_state_moves(env, slots, snaps, p
     for s in range(6):
         for x, y in zip(before[s], pool.download(s)):
             assert np.array_equal(bits(x), bits(y)), s
+
+
+@pytest.mark.parametrize("K", [1, 2], ids=["decode_batch", "verify_batch"])
+def test_bad_table_entries_that_reach_the_kernels_touch_nothing(env, K):
+    """The kernels' own guard, as the CUDA path meets it (the host calls check first)."""
+    assert_bad_entries_touch_nothing(env, K, checked_by_call=True)
+
+
+def test_check_faults_and_download_raise_once_then_clear(env):
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 2)
+    pool.check_faults()  # nothing recorded
+    gpu.copy_h2d(pool.faults, np.array([1, 1, 3, -9], np.int32), 0)  # as a kernel records one
+    with pytest.raises(KdaError, match=r"state pool download: a batched call met snapshot slot "
+                                       r"-9 at entry 3 of its table"):
+        pool.download(0)
+    pool.download(0)
+    pool.free()
+    with pytest.raises(KdaError, match="freed"):
+        pool.check_faults()
 
 
 def test_workspaces_states_and_pools_of_other_shapes_are_refused(env):
