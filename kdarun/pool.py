@@ -81,30 +81,33 @@ class KdaStatePool(DeviceOwner):
         return self.state(slot).download(stream)
 
     def check_faults(self, stream: int = 0, what: str = "state pool check_faults") -> None:
-        """Raise a KdaError naming the first slot table entry a batched call's kernels met that
-        was neither -1 nor a slot of this pool, if any since the last check; the fault words
-        are then cleared. That entry's row read and wrote no state (as a padding row), so its
-        outputs are not that sequence's. The CUDA kernels record such entries rather than
-        reach outside the pool; `check_tables` finds them (and twice-named slots) before a
-        call instead. Synchronises."""
+        """Raise a KdaError naming a slot table entry a batched call's kernels met that was
+        neither -1 nor a slot of this pool (the first recorded), if any since the last check;
+        the fault words are then cleared. A bad slot's row read and wrote no state (as a
+        padding row), so its outputs are not its sequence's; a bad snapshot slot's snapshot
+        was not stored (its row ran). The CUDA kernels record such entries rather than reach
+        outside the pool; `check_tables` finds them (and twice-named slots) before a call
+        instead. Synchronises."""
         self._require_live(what)
         seen, table, entry, value = self._gpu.download(self.faults, (self.FAULT_WORDS,),
                                                        np.int32, stream)
         if seen:
             self._gpu.memset(self.faults, 0, self.FAULT_WORDS * 4, stream)
-            kind = "snapshot slot" if table else "slot"
+            kind, lost = (("snapshot slot", "that snapshot was not stored") if table else
+                          ("slot", "that row read and wrote no state, so its outputs are not "
+                           "its sequence's"))
             raise KdaError(f"{what}: a batched call met {kind} {value} at entry {entry} of its "
-                           f"table, neither -1 (skip) nor a slot in [0, {self.slots}); that row "
-                           "read and wrote no state, so its outputs are not its sequence's")
+                           f"table, neither -1 (skip) nor a slot in [0, {self.slots}); {lost}")
 
     def check_tables(self, slots: DevicePtr, b: int, snapshot_slots: DevicePtr | None = None,
                      k: int = 1, stream: int = 0, what: str = "state pool check_tables") -> None:
         """Check the device slot tables of a batched call (`decode_batch`: slots int32 [b];
         `verify_batch`: with snapshot_slots int32 [b, k-1]) as its kernels will read them:
         every entry -1 (a padding row, or a skipped snapshot) or a slot of this pool, and no
-        slot named twice across both tables (`errors.check_slot_tables`). The CUDA kernels read
-        the tables unchecked (a check there would copy them back and wait, which a captured
-        graph cannot): call this while developing, or on tables from code you do not trust.
+        slot named twice across both tables (`errors.check_slot_tables`). Nothing checks the
+        tables before a CUDA call (that would copy them back and wait, which a captured graph
+        cannot), and its kernels catch only entries outside the pool (`check_faults`): call
+        this while developing, or on tables from code you do not trust.
         Copies the tables back and synchronises. `what` names the call in the error."""
         self._require_live(what)
         b = check_int(b, f"{what}: b", 1)

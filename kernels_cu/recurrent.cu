@@ -12,8 +12,8 @@
 // An entry of a device slot table as the kernels use it: itself where it is -1 (skip) or a slot
 // of the pool, [0, nslots); -1 for anything else, recorded in the pool's fault words {seen,
 // table (0 slots, 1 snapshot slots), entry, value} (the first seen wins) for
-// KdaStatePool.check_faults. So a wrong entry touches nothing outside the pool: its row reads
-// and writes no state, as a padding row.
+// KdaStatePool.check_faults. So a wrong entry touches nothing outside the pool: a row with one
+// reads and writes no state, as a padding row; a snapshot with one is not stored.
 // The recording is a call of its own: inlined, its cold path cost the batch kernel registers.
 __device__ __noinline__ void record_fault(int* fault, int table, int entry, int s) {
     if (atomicCAS(fault, 0, 1) == 0) fault[1] = table, fault[2] = entry, fault[3] = s;

@@ -255,15 +255,36 @@ def assert_batch_matches_single(env: Env, B: int, K: int, seed: int, pad: int = 
     pool.free()
 
 
-def assert_bad_entries_touch_nothing(env: Env, K: int, checked_by_call: bool) -> None:
-    """A slot table entry outside [-1, slots) that reaches the batch kernels (decode_batch,
-    K = 1, a bad slot; verify_batch, K = 2, a bad snapshot slot) acts as -1: every slot no good
-    entry names keeps its bytes, the good rows equal their sequences' decode / decode_k bit for
-    bit, and pool.check_faults names the bad entry, once. Where the call checks its tables
-    first (`checked_by_call`: the host backend), it refuses them and the steps are run without
-    it, as the CUDA path runs them."""
+def _run_past_the_check(env: Env, h, rows: int, K: int, table, pool, snaps,
+                        checked_by_call: bool) -> None:
+    """decode_batch (K = 1) or verify_batch of `rows` rows; where the call checks its tables
+    first (`checked_by_call`: the host backend) it must refuse them, and its steps then run
+    without the check, as the CUDA path runs them."""
     from kdarun import KdaError
     from kdarun.layer import SeqRows
+    gpu, layer = env.gpu, env.layer
+
+    def call():
+        if K == 1:
+            layer.decode_batch(gpu, h, rows, table, pool, env.ws, 0)
+        else:
+            layer.verify_batch(gpu, h, rows, K, table, pool, env.ws, snaps, 0)
+    if not checked_by_call:
+        return call()
+    with pytest.raises(KdaError, match="neither -1"):
+        call()
+    layer.run_steps(gpu, layer.batch_steps(h, rows, K, table, pool, env.ws, snaps), rows * K,
+                    None, env.ws, 0, SeqRows.uniform(rows, K))
+
+
+def assert_bad_entries_touch_nothing(env: Env, K: int, checked_by_call: bool) -> None:
+    """A slot table entry outside [-1, slots) that reaches the batch kernels acts as -1 and is
+    recorded: decode_batch (K = 1) of three rows, the middle one's slot bad: that row touches
+    no state; verify_batch (K = 3) of two rows whose snapshot slot entry 3 (row 1, after its
+    second token) is bad: that snapshot is not stored, the row runs. Every slot no good entry
+    names keeps its bytes, the good rows equal their sequences' decode / decode_k bit for bit
+    (snapshots too), and pool.check_faults names the bad entry, once."""
+    from kdarun import KdaError
     from kdarun.pool import KdaStatePool
     gpu, cfg = env.gpu, env.cfg
     pool = KdaStatePool(gpu, cfg, 4)
@@ -271,53 +292,68 @@ def assert_bad_entries_touch_nothing(env: Env, K: int, checked_by_call: bool) ->
     for s in range(4):
         pool.upload(s, *(states[s] if s < 2 else env.warm_state(seed=72 + s)))
     before = [pool.download(s) for s in range(4)]
-    table = [0, 9, 1] if K == 1 else [0, 1]  # decode: row 1 names no slot
-    snaps = None if K == 1 else [[7], [2]]   # verify: row 0's snapshot names no slot
+    table = [0, 9, 1] if K == 1 else [0, 1]
+    snaps = None if K == 1 else [[2, -1], [-1, 7]]
     rows = len(table)
     h = random_hidden(rows * K, cfg.hidden_size, 74)
     d_table, d_h = gpu.upload(np.array(table, np.int32)), gpu.upload(h)
     d_snap = None if snaps is None else gpu.upload(np.array(snaps, np.int32))
     env.ws.poison(0)
-    if checked_by_call:
-        with pytest.raises(KdaError, match="neither -1"):
-            if K == 1:
-                env.layer.decode_batch(gpu, d_h, rows, d_table, pool, env.ws, 0)
-            else:
-                env.layer.verify_batch(gpu, d_h, rows, K, d_table, pool, env.ws, d_snap, 0)
-        env.layer.run_steps(gpu, env.layer.batch_steps(d_h, rows, K, d_table, pool, env.ws, d_snap),
-                            rows * K, None, env.ws, 0, SeqRows.uniform(rows, K))
-    elif K == 1:
-        env.layer.decode_batch(gpu, d_h, rows, d_table, pool, env.ws, 0)
-    else:
-        env.layer.verify_batch(gpu, d_h, rows, K, d_table, pool, env.ws, d_snap, 0)
+    _run_past_the_check(env, d_h, rows, K, d_table, pool, d_snap, checked_by_call)
     out = env.ws.read("final_out", rows * K)
-    kind, entry, value = ("slot", 1, 9) if K == 1 else ("snapshot slot", 0, 7)
+    kind, entry, value, lost = (("slot", 1, 9, "that row read and wrote no state") if K == 1
+                                else ("snapshot slot", 3, 7, "that snapshot was not stored"))
     with pytest.raises(KdaError, match=f"met {kind} {value} at entry {entry} of its table, "
-                       r"neither -1 \(skip\) nor a slot in \[0, 4\)"):
+                       r"neither -1 \(skip\) nor a slot in \[0, 4\); " + lost):
         pool.check_faults()
     pool.check_faults()  # cleared
     good = {0: 0, 2: 1} if K == 1 else {0: 0, 1: 1}  # row -> sequence (= its slot)
     for r, i in good.items():
-        single, dst = env.state(*states[i]), env.state()
+        single, dst = env.state(*states[i]), [env.state() for _ in range(K - 1)]
         hp = gpu.upload(np.ascontiguousarray(h[r * K:(r + 1) * K]))
         if K == 1:
             env.layer.decode(gpu, hp, single, env.ws, 0)
         else:
-            env.layer.decode_k(gpu, hp, K, single, env.ws, [(dst.recurrent, dst.conv)], 0)
+            env.layer.decode_k(gpu, hp, K, single, env.ws, [(d.recurrent, d.conv) for d in dst], 0)
         assert np.array_equal(bits(out[r * K:(r + 1) * K]), bits(env.ws.read("final_out", K)))
         for a, b in zip(pool.download(i), single.download()):
             assert np.array_equal(bits(a), bits(b)), f"row {r}: state"
-        if K == 2 and r == 1:  # its snapshot went to slot 2
-            for a, b in zip(pool.download(2), dst.download()):
-                assert np.array_equal(bits(a), bits(b)), "row 1: snapshot"
+        if K > 1 and r == 0:  # row 0's snapshot after its first token went to slot 2
+            for a, b in zip(pool.download(2), dst[0].download()):
+                assert np.array_equal(bits(a), bits(b)), "row 0: snapshot"
         gpu.free(hp)
-        single.free()
-        dst.free()
+        for st in (single, *dst):
+            st.free()
     for s in ((2, 3) if K == 1 else (3,)):  # named by no good entry
         for x, y in zip(before[s], pool.download(s)):
             assert np.array_equal(bits(x), bits(y)), f"slot {s}"
     for p in (d_table, d_h) + (() if d_snap is None else (d_snap,)):
         gpu.free(p)
+    pool.free()
+
+
+def assert_bad_slot_of_one_touches_nothing(env: Env, checked_by_call: bool) -> None:
+    """A batch of one sequence and one row takes decode's own launch at its slot
+    (`batch_rows_kernel`); a slot outside the pool there touches no state either, and
+    pool.check_faults names it."""
+    from kdarun import KdaError
+    from kdarun.pool import KdaStatePool
+    gpu, cfg = env.gpu, env.cfg
+    assert env.layer.kernels.batch_rows_kernel(1, 1).startswith("kda_decode_rows_slot")
+    pool = KdaStatePool(gpu, cfg, 2)
+    for s in range(2):
+        pool.upload(s, *env.warm_state(seed=80 + s))
+    before = [pool.download(s) for s in range(2)]
+    table = gpu.upload(np.array([2], np.int32))
+    h = gpu.upload(random_hidden(1, cfg.hidden_size, 82))
+    _run_past_the_check(env, h, 1, 1, table, pool, None, checked_by_call)
+    with pytest.raises(KdaError, match=r"met slot 2 at entry 0 of its table"):
+        pool.check_faults()
+    for s in range(2):
+        for x, y in zip(before[s], pool.download(s)):
+            assert np.array_equal(bits(x), bits(y)), f"slot {s}"
+    gpu.free(table)
+    gpu.free(h)
     pool.free()
 
 

@@ -10,7 +10,8 @@ from kdarun import KdaError, kernels, open_backend, synthetic
 from kdarun.kernels import GEMV_SLAB_TILES, GEMV_TILE, Glm5NextKdaKernels
 from kdarun.pool import KdaStatePool
 
-from .helpers import (Env, assert_bad_entries_touch_nothing, assert_batch_matches_single,
+from .helpers import (Env, assert_bad_entries_touch_nothing,
+                      assert_bad_slot_of_one_touches_nothing, assert_batch_matches_single,
                       assert_packed_matches_alone, bits, random_hidden)
 
 
@@ -150,7 +151,7 @@ def test_pool_slots_and_errors(env):
 def test_bad_slot_tables_are_refused_before_any_state_moves(env, slots, snaps, pattern, call):
     """pool.check_tables names a bad device slot table's first problem, and on the host
     backend batched decode and verify run the same check before any slot's state changes
-    (the CUDA kernels read the tables unchecked: README)."""
+    (on CUDA nothing checks them before the call: README)."""
     gpu, cfg = env.gpu, env.cfg
     pool = KdaStatePool(gpu, cfg, 6)
     for s in range(6):
@@ -172,10 +173,14 @@ def test_bad_slot_tables_are_refused_before_any_state_moves(env, slots, snaps, p
             assert np.array_equal(bits(x), bits(y)), s
 
 
-@pytest.mark.parametrize("K", [1, 2], ids=["decode_batch", "verify_batch"])
+@pytest.mark.parametrize("K", [1, 3], ids=["decode_batch", "verify_batch"])
 def test_bad_table_entries_that_reach_the_kernels_touch_nothing(env, K):
     """The kernels' own guard, as the CUDA path meets it (the host calls check first)."""
     assert_bad_entries_touch_nothing(env, K, checked_by_call=True)
+
+
+def test_bad_slot_of_a_batch_of_one_that_reaches_its_kernel_touches_nothing(env):
+    assert_bad_slot_of_one_touches_nothing(env, checked_by_call=True)
 
 
 def test_check_faults_and_download_raise_once_then_clear(env):

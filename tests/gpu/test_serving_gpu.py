@@ -14,7 +14,8 @@ from kdarun.kernels import SMEM_PER_BLOCK, decode_batch_bulk
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
 
-from ..helpers import (Env, assert_bad_entries_touch_nothing, assert_batch_matches_single,
+from ..helpers import (Env, assert_bad_entries_touch_nothing,
+                       assert_bad_slot_of_one_touches_nothing, assert_batch_matches_single,
                        assert_packed_matches_alone, bits, forced_core)
 
 
@@ -41,31 +42,15 @@ def test_decode_batch_of_one_is_decode(pair, monkeypatch):
     assert slot_kernel in launched
 
 
-@pytest.mark.parametrize("K", [1, 2], ids=["decode_batch", "verify_batch"])
+@pytest.mark.parametrize("K", [1, 3], ids=["decode_batch", "verify_batch"])
 def test_bad_table_entries_touch_nothing_outside_the_pool(pair, K):
-    """The CUDA calls read their tables unchecked: an entry outside the pool acts as -1 and
+    """Nothing checks the tables before a CUDA call: an entry outside the pool acts as -1 and
     check_faults names it (decode_batch of three rows takes the batch kernel)."""
     assert_bad_entries_touch_nothing(pair[0], K, checked_by_call=False)
 
 
 def test_bad_slot_of_a_batch_of_one_touches_nothing(pair):
-    """decode's own launch at the table's slot (a batch of one) guards its slot the same way."""
-    cuda = pair[0]
-    gpu, cfg = cuda.gpu, cuda.cfg
-    pool = KdaStatePool(gpu, cfg, 2)
-    before = [pool.download(s) for s in range(2)]
-    table = gpu.upload(np.array([2], np.int32))
-    h = gpu.upload(random_hidden(1, cfg.hidden_size, 80))
-    assert cuda.layer.kernels.batch_rows_kernel(1, 1).startswith("kda_decode_rows_slot")
-    cuda.layer.decode_batch(gpu, h, 1, table, pool, cuda.ws, 0)
-    with pytest.raises(KdaError, match=r"met slot 2 at entry 0 of its table"):
-        pool.check_faults()
-    for s in range(2):
-        for x, y in zip(before[s], pool.download(s)):
-            assert np.array_equal(bits(x), bits(y)), s
-    gpu.free(table)
-    gpu.free(h)
-    pool.free()
+    assert_bad_slot_of_one_touches_nothing(pair[0], checked_by_call=False)
 
 
 @pytest.mark.parametrize("B, K", [(3, 4), (20, 8), (64, 4)])
