@@ -282,37 +282,49 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const int ct = tid % (16 * GEMV_WARPS), c = tid % RUNS;  // this thread in its half
     const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
     const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
-    const int last = max(N - 1, 0);
     uint4* xring = ring + SW * WR * RUNS;
-    // the idx-th stage in share order: shares below rem hold q + 1 stages, the rest q
-    auto kblock = [&](int idx) {
-        const int big = rem * (q + 1);
-        return idx < big ? idx / (q + 1) + ks * (idx % (q + 1))
-                         : rem + (idx - big) / q + ks * ((idx - big) % q);
+    // This thread's stages go out in share order (share 0's k-blocks 0, ks, 2 ks, ..., then
+    // share 1's; shares below rem hold q + 1 stages, the rest q), followed by a cursor: no
+    // division a stage. Each thread copies one row run (8 c..) of rows PER apart from its
+    // first, so a copy's address is a base and a multiple of a constant stride. Rows past N
+    // (M) are zero-filled: no MMA result of theirs is stored (read).
+    int kb = 0, kshare = 0, kleft = q + (rem > 0);
+    auto advance = [&]() {
+        if (--kleft > 0) {
+            kb += ks;
+        } else {
+            kb = ++kshare;
+            kleft = q + (kshare < rem);
+        }
     };
-    auto fill_w = [&](int idx) {
-        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
-        uint4* st = ring + (idx % SW) * WR * RUNS;
+    const int r0 = ct / RUNS;  // this thread's first row of a pass
+    const bf16* wrow = W + (u64)(n0 + r0) * K + 8 * c;
+    auto fill_w = [&](int u) {  // the block's u-th stage into slot u % SW
+        const int k = kb * GEMV_STAGE_K;
+        const bool kin = k + 8 * c < K;
+        uint4* st = ring + (u % SW) * WR * RUNS;
 #pragma unroll
         for (int i = 0; i < WR / PER; ++i) {
-            const int r = PER * i + ct / RUNS;
-            cp_async16(st + r * RUNS + (c ^ (r & 7)), W + (u64)min(n0 + r, last) * K + (k < K ? k : 0),
-                       k < K ? 16 : 0);
+            const int r = PER * i + r0;
+            const bool ok = kin && n0 + r < N;
+            cp_async16(st + r * RUNS + (c ^ (r & 7)), ok ? wrow + (u64)i * PER * K + k : W,
+                       ok ? 16 : 0);
         }
+        advance();
     };
-    // rows past M of the last column group zero-filled; those of groups past M not copied
-    // (no MMA reads them)
-    const int mg = (M + 7) & ~7;
-    auto fill_x = [&](int idx) {
-        const int k = kblock(idx) * GEMV_STAGE_K + 8 * c;
-        uint4* st = xring + (idx % SX) * SLAB_ROWS * RUNS;
+    const bf16* xrow = x + (u64)r0 * ldx + 8 * c;
+    auto fill_x = [&](int u) {  // straight-line: a branch a copy cost ~20 instructions each
+        const int k = kb * GEMV_STAGE_K;
+        const bool kin = k + 8 * c < K;
+        uint4* st = xring + (u % SX) * SLAB_ROWS * RUNS;
 #pragma unroll
         for (int i = 0; i < SLAB_ROWS / PER; ++i) {
-            const int m = PER * i + ct / RUNS;
-            const bool in = m < M && k < K;
-            if (m < mg)
-                cp_async16(st + m * RUNS + (c ^ (m & 7)), x + (in ? (u64)m * ldx + k : 0), in ? 16 : 0);
+            const int m = PER * i + r0;
+            const bool in = kin && m < M;
+            cp_async16(st + m * RUNS + (c ^ (m & 7)), in ? xrow + (u64)i * PER * ldx + k : x,
+                       in ? 16 : 0);
         }
+        advance();
     };
     if (copies_w)
 #pragma unroll
