@@ -102,10 +102,10 @@ def portable_walk_split(cc: int) -> int:
     return 2 if smem_per_block(cc) >= 160 * 1024 else 1
 
 
-def portable_walk_threads(cc: int) -> int:
-    """kda_chunk_inter_portable's block of WALK_ROWS rows on compute capability `cc`:
-    portable_walk_split warps per 16 state rows (half as many for a block of half the rows)."""
-    return 32 * (WALK_ROWS // 16) * portable_walk_split(cc)
+def portable_walk_threads(cc: int, rows: int = WALK_ROWS) -> int:
+    """kda_chunk_inter_portable's block of `rows` state rows (WALK_ROWS, or half: `walk_rows`)
+    on compute capability `cc`: portable_walk_split warps per 16 of them."""
+    return 32 * (rows // 16) * portable_walk_split(cc)
 
 
 def compile_defines(cc: int = 90) -> tuple[str, ...]:
@@ -562,7 +562,7 @@ class Glm5NextKdaKernels:
         # SM), each a stream of chunks, where more would wait for a second wave
         rows = self.walk_rows
         z = min(n, max(1, self.gpu.sm_count // (H * D // rows)))
-        family, threads = (("chunk_portable", portable_walk_threads(self.cc) * rows // WALK_ROWS)
+        family, threads = (("chunk_portable", portable_walk_threads(self.cc, rows))
                            if self.core == "portable"
                            else ("chunk", WALK_THREADS))
         self._launch(family, self.chunk_inter_name,
