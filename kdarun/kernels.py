@@ -273,10 +273,10 @@ class Glm5NextKdaKernels:
 
     @staticmethod
     def _gemv_slabs(m: int) -> list[tuple[str, int, int]]:
-        """(entry suffix, first row, rows) of each launch a GEMV over m token rows takes: up
-        to GEMV_COLUMNS rows in one column group (decode, decode_k), else slabs of up to
-        GEMV_BATCH_GROUPS groups, each weight read once a slab. A row's sums are the same in
-        every entry, so its bits do not depend on m."""
+        """(entry suffix, first row, rows) of each launch front_end_gemv over m token rows
+        takes: up to GEMV_COLUMNS rows in one column group (decode, decode_k), else slabs of
+        up to GEMV_BATCH_GROUPS groups, each weight read once a slab. A row's sums are the
+        same in every entry, so its bits do not depend on m."""
         if m <= GEMV_COLUMNS:
             return [("", 0, m)]
         rows = GEMV_BATCH_GROUPS * GEMV_COLUMNS
@@ -297,14 +297,20 @@ class Glm5NextKdaKernels:
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
-        reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
+        reduction tree is the same for any m, so m rows are bit-identical to m single calls.
+        Up to GEMV_COLUMNS rows take decode's launch, more one launch of the slabs of
+        GEMV_BATCH_GROUPS column groups side by side (grid y), each weight read once a slab."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
-        for suffix, m0, rows in self._gemv_slabs(m):
-            cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE) if suffix else self._gemv_cfg(n, ks)
-            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg,
-                         (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
-                          i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
+        if m <= GEMV_COLUMNS:
+            name, cfg = "dense_gemv_bf16", self._gemv_cfg(n, ks)
+        else:
+            blocks = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE).grid[0]
+            name = "dense_gemv_bf16_batch"
+            cfg = LaunchConfig((blocks, _blocks(m, GEMV_BATCH_GROUPS * GEMV_COLUMNS), 1),
+                               (32 * GEMV_WARPS, 1, 1))
+        self._launch("gemv", name, cfg, (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n),
+                                         i32(ks)), stream)
 
     @functools.cached_property
     def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:

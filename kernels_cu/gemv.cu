@@ -403,15 +403,19 @@ __device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, 
         }
 }
 
-// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block.
+// dense_gemv over M token rows: TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
+// launch's slabs run side by side: o_proj's tiles alone fill 72 of an H200's 132 SMs).
 template <int TB>
 __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
-    const int n0 = blockIdx.x * TB * GEMV_TILE;
+    const int n0 = blockIdx.x * TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    const int rows = min(M - m0, SLAB_ROWS);
+    x += (u64)m0 * ldx;
+    y += (u64)m0 * ldy;
     float out[TB][4];
-    if (gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, out))
-        slab_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+    if (gemv_slab<TB>(W, N, K, x, rows, ldx, n0, ks, out))
+        slab_outputs(out, n0, N, rows, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
 // front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's

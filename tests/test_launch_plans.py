@@ -1,14 +1,15 @@
 """The launch plans: GEMV share counts the kernels can take, a front end whose block counts
 cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to tiles by
 these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices.
-The kernels' shared memory is checked against their sources in test_kernel_layouts.py."""
+o_proj's slabs in one launch. The kernels' shared memory is checked against their sources in
+test_kernel_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from kdarun import kernels, open_backend, synthetic
-from kdarun import KdaError
+from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
 
@@ -112,3 +113,25 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
         Glm5NextKdaKernels(host, cfg)
     with pytest.raises(KdaError, match=r"^core: expected one of"):
         Glm5NextKdaKernels(host, cfg, core="fast")
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256])
+def test_o_proj_runs_its_slabs_in_one_launch(m, monkeypatch):
+    """o_proj over m token rows: decode's launch up to one column group, else one launch of
+    every 64-row slab side by side (grid y), its blocks covering every tile of the output."""
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    host = open_backend("host")
+    kn = Glm5NextKdaKernels(host, cfg)
+    launched = []
+    monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
+                        launched.append((name, cfg_.grid, int(args[5]))))
+    kn.dense_gemv_bf16_batchm(0, DevicePtr(16), DevicePtr(32), DevicePtr(48), cfg.hidden_size,
+                              cfg.qkv, m)
+    slab = kernels.GEMV_BATCH_GROUPS * kernels.GEMV_COLUMNS
+    tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
+    if m <= kernels.GEMV_COLUMNS:
+        assert [name for name, _, _ in launched] == ["dense_gemv_bf16"]
+    else:
+        (name, grid, rows), = launched
+        assert name == "dense_gemv_bf16_batch" and rows == m
+        assert grid == (ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), ceil_div(m, slab), 1)
