@@ -249,7 +249,7 @@ __device__ __forceinline__ void front_end(
 // 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
 // added to the running total in share order: exactly the MMAs, chains and sums of
 // gemv_tile's ks shares for every token row, so a row's bits are decode's.
-constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
+constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a block (a slab)
 constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
 static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
 constexpr int SLAB_X_BYTES = GEMV_SLAB_X_STAGES * SLAB_ROWS * SLAB_RUNS * 16;
@@ -418,7 +418,8 @@ __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf1
         slab_outputs(out, n0, N, rows, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's
+// front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
+// launch's slabs side by side, each with its own sync pair): a slab's blocks are f_a|g_a|b's
 // (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
 // proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
 // ks, ks_early and ks_gate are front_end's, so every output has its bits.
@@ -431,7 +432,17 @@ __device__ __forceinline__ void front_end_slab(
     float* __restrict__ gate, float* __restrict__ beta, int* __restrict__ sync, int N, int K,
     int M, int P, int ldg, int H, int D, int R, float lower_bound, int bounded, int ks,
     int ks_early, int ks_gate, int early_blocks, int proj_blocks) {
-    const int qkv = H * D, rows = TB * GEMV_TILE;
+    const int qkv = H * D, rows = TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    M = min(M - m0, SLAB_ROWS);
+    x += (u64)m0 * K;
+    gate_in += (u64)m0 * ldg;
+    qkv_parts += (u64)m0 * qkv;  // row m0 + m of each [P, qkv] part
+    qkv_proj += (u64)m0 * 3 * qkv;
+    g_raw += (u64)m0 * qkv;
+    out_gate += (u64)m0 * qkv;
+    gate += (u64)m0 * qkv;
+    beta += (u64)m0 * H;
+    sync += 2 * blockIdx.y;
     if (blockIdx.x < proj_blocks) {
         const bool is_early = blockIdx.x < early_blocks;
         const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
@@ -477,8 +488,7 @@ __device__ __forceinline__ void front_end_slab(
 }
 
 // The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
-// an SM), and the batches' (up to SLAB_ROWS rows a launch, every weight read once for them
-// all). Their dynamic shared memory (the rings) is exported for the CUDA backend.
+// an SM), and the batches' (any rows, SLAB_ROWS a block, every weight read once a slab). Their dynamic shared memory (the rings) is exported for the CUDA backend.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
                 int ks) {
