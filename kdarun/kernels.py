@@ -7,6 +7,7 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import NamedTuple
@@ -288,8 +289,8 @@ class Glm5NextKdaKernels:
         """A batch GEMV's launch over m token rows: a block per `tiles` tiles of the rows (the
         K shares are walked by each warp in turn), for each slab of BATCH_SLAB_ROWS token rows
         (grid y)."""
-        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles), _blocks(m, BATCH_SLAB_ROWS), 1),
-                            (32 * GEMV_WARPS, 1, 1))
+        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles),
+                             _blocks(m, BATCH_SLAB_ROWS), 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -355,7 +356,8 @@ class Glm5NextKdaKernels:
             name, (cfg, shares) = "front_end_gemv", self._front_end_plan
         else:
             (plan, shares), slabs = self._front_end_batch_plan, _blocks(m, BATCH_SLAB_ROWS)
-            name, cfg = "front_end_gemv_batch", LaunchConfig((plan.grid[0], slabs, 1), plan.block)
+            name = "front_end_gemv_batch"
+            cfg = dataclasses.replace(plan, grid=(plan.grid[0], slabs, 1))
         self._launch("gemv", name, cfg,
                      (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),

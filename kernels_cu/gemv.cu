@@ -404,7 +404,7 @@ __device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, 
 }
 
 // dense_gemv over M token rows: TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
-// launch's slabs run side by side: o_proj's tiles alone fill 72 of an H200's 132 SMs).
+// launch's slabs run side by side: a slab of o_proj is few blocks, 72 on kimi-linear-48b).
 template <int TB>
 __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
@@ -415,7 +415,8 @@ __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf1
     y += (u64)m0 * ldy;
     float out[TB][4];
     if (gemv_slab<TB>(W, N, K, x, rows, ldx, n0, ks, out))
-        slab_outputs(out, n0, N, rows, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+        slab_outputs(out, n0, N, rows,
+                     [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
 // front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
@@ -488,7 +489,8 @@ __device__ __forceinline__ void front_end_slab(
 }
 
 // The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
-// an SM), and the batches' (any rows, SLAB_ROWS a block, every weight read once a slab). Their dynamic shared memory (the rings) is exported for the CUDA backend.
+// an SM), and the batches' (any rows, SLAB_ROWS a block, every weight read once a slab).
+// Their dynamic shared memory (the rings) is exported for the CUDA backend.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
                 int ks) {

@@ -1,14 +1,14 @@
 """The launch plans: GEMV share counts the kernels can take, a front end whose block counts
 cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to tiles by
-these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices.
-the batch GEMVs' slabs in one launch. The kernels' shared memory is checked against their sources in
-test_kernel_layouts.py."""
+these counts; a tile no block covers would leave its outputs unwritten), the walk's slices, and
+the batch GEMVs' slabs in one launch. The kernels' shared memory is checked against their
+sources in test_kernel_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdarun import kernels, open_backend, synthetic
+from kdarun import kernels, open_backend, synthetic, workspace
 from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
@@ -130,7 +130,9 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
     (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
-    assert int(dense_args[5]) == m and int(front_args[16]) == m  # every row in the one launch
+    assert int(dense_args[5]) == m  # every row in the one launch, from the given pointers
+    assert int(front_args[16]) == int(front_args[17]) == m and tuple(front_args[:14]) == tuple(p)
+    assert tuple(dense_args[:3]) == tuple(p[:3])
     if m <= kernels.GEMV_COLUMNS:
         assert (dense, front) == ("dense_gemv_bf16", "front_end_gemv")
         assert dense_grid[1] == front_grid[1] == 1
@@ -140,3 +142,4 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
         assert dense_grid == (ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), slabs, 1)
         assert front_grid == (kn._front_end_batch_plan[0].grid[0], slabs, 1)
     assert kernels.front_sync_words(m) == 2 * slabs
+    assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
