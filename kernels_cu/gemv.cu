@@ -359,17 +359,22 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
 #pragma unroll
             for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16)
                 ldmatrix_x4(a[k16], st + (tile * GEMV_TILE + row) * RUNS + ((2 * k16 + (mi >> 1)) ^ (row & 7)));
+            // k32 outermost: the column groups' chains take turns, 2 TB independent MMAs
+            // between two of one chain (a chain's MMAs, and so its sums, in k order as before)
+            const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * g0 + (lane & 7)) * RUNS;
 #pragma unroll
-            for (int gi = 0; gi < TB; ++gi) {
-                if (8 * (g0 + gi) >= M) break;
-                const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * (g0 + gi) + (lane & 7)) * RUNS;
+            for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
+                unsigned b[TB][4];  // each group's B fragments of k16 blocks 2 k32 and 2 k32 + 1
 #pragma unroll
-                for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
-                    unsigned b[4];  // the B fragments of k16 blocks 2 k32 and 2 k32 + 1
-                    ldmatrix_x4(b, xs + ((4 * k32 + mi) ^ (lane & 7)));
-                    mma_bf16(acc[gi][0], a[2 * k32], b);
-                    mma_bf16(acc[gi][1], a[2 * k32 + 1], b + 2);
-                }
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M)
+                        ldmatrix_x4(b[gi], xs + 8 * gi * RUNS + ((4 * k32 + mi) ^ (lane & 7)));
+#pragma unroll
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M) mma_bf16(acc[gi][0], a[2 * k32], b[gi]);
+#pragma unroll
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M) mma_bf16(acc[gi][1], a[2 * k32 + 1], b[gi] + 2);
             }
         }
         if (--left == 0) {  // the end of a share: its sum into the total, in share order
