@@ -7,6 +7,7 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import NamedTuple
@@ -44,7 +45,8 @@ GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
 GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
 GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
-GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one launch serves, over 8
+GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
+BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds: sm_90 / 100 (one elsewhere)
 GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
 GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
@@ -70,6 +72,12 @@ def smem_per_block(cc: int) -> int:
 def arch_cc(arch: str) -> int:
     """The compute capability an architecture name builds for: "sm_90a" -> 90."""
     return int(arch[3:].rstrip("a"))
+
+
+def front_sync_words(rows: int) -> int:
+    """front_end_gemv's int32 sync words for up to `rows` token rows: a pair a slab of
+    BATCH_SLAB_ROWS (early tiles done, gate blocks done)."""
+    return 2 * _blocks(max(rows, 1), BATCH_SLAB_ROWS)
 
 
 def decode_batch_bulk(cc: int) -> bool:
@@ -272,39 +280,32 @@ class Glm5NextKdaKernels:
                            f"got k={k} ldx={ldx}")
 
     @staticmethod
-    def _gemv_slabs(m: int) -> list[tuple[str, int, int]]:
-        """(entry suffix, first row, rows) of each launch a GEMV over m token rows takes: up
-        to GEMV_COLUMNS rows in one column group (decode, decode_k), else slabs of up to
-        GEMV_BATCH_GROUPS groups, each weight read once a slab. A row's sums are the same in
-        every entry, so its bits do not depend on m."""
-        if m <= GEMV_COLUMNS:
-            return [("", 0, m)]
-        rows = GEMV_BATCH_GROUPS * GEMV_COLUMNS
-        return [("_batch", m0, min(rows, m - m0)) for m0 in range(0, m, rows)]
-
-    @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     @staticmethod
-    def _slab_cfg(rows: int, tiles: int) -> LaunchConfig:
-        """A batch GEMV's launch: a block per `tiles` tiles of the rows (the K shares are walked
-        by each warp in turn)."""
-        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles), 1, 1),
-                            (32 * GEMV_WARPS, 1, 1))
+    def _slab_cfg(rows: int, tiles: int, m: int = 1) -> LaunchConfig:
+        """A batch GEMV's launch over m token rows: a block per `tiles` tiles of the rows (the
+        K shares are walked by each warp in turn), for each slab of BATCH_SLAB_ROWS token rows
+        (grid y)."""
+        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles),
+                             _blocks(m, BATCH_SLAB_ROWS), 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
-        reduction tree is the same for any m, so m rows are bit-identical to m single calls."""
+        reduction tree is the same for any m, so m rows are bit-identical to m single calls.
+        Up to GEMV_COLUMNS rows take decode's launch, more one launch of the slabs of
+        GEMV_BATCH_GROUPS column groups side by side (grid y), each weight read once a slab."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
-        for suffix, m0, rows in self._gemv_slabs(m):
-            cfg = self._slab_cfg(n, GEMV_SLAB_TILES_DENSE) if suffix else self._gemv_cfg(n, ks)
-            self._launch("gemv", f"dense_gemv_bf16{suffix}", cfg,
-                         (w, x + m0 * k * BF16.itemsize, y + m0 * n * BF16.itemsize, i32(n),
-                          i32(k), i32(rows), i32(k), i32(n), i32(ks)), stream)
+        if m <= GEMV_COLUMNS:
+            name, cfg = "dense_gemv_bf16", self._gemv_cfg(n, ks)
+        else:
+            name, cfg = "dense_gemv_bf16_batch", self._slab_cfg(n, GEMV_SLAB_TILES_DENSE, m)
+        self._launch("gemv", name, cfg, (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n),
+                                         i32(ks)), stream)
 
     @functools.cached_property
     def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:
@@ -343,24 +344,25 @@ class Glm5NextKdaKernels:
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
-        """Decode's front end over m rows of hidden [m, hidden] bf16, one launch a slab of
-        rows (`_gemv_slabs`): the packed projection, q|k|v to qkv_proj [m, conv_dim] and
-        qkv_parts [3, m, qkv] and f_a|g_a|b to gate_in [m, gate_in_width], then from f_a|g_a|b
-        g_raw and the forget gate [m, qkv], out_gate [m, qkv] and beta [m, H]. sync [2] int32
-        orders the gates after the rows they read; zero on entry, left zero."""
+        """Decode's front end over m rows of hidden [m, hidden] bf16 in one launch (the slabs
+        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS): the packed
+        projection, q|k|v to qkv_proj [m, conv_dim] and qkv_parts [3, m, qkv] and f_a|g_a|b to
+        gate_in [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate [m, qkv],
+        out_gate [m, qkv] and beta [m, H]. sync [front_sync_words(m)] int32 orders the gates
+        after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
-        for suffix, m0, rows in self._gemv_slabs(m):
-            cfg, shares = self._front_end_batch_plan if suffix else self._front_end_plan
-            at = lambda ptr, width, size=BF16.itemsize: ptr + m0 * width * size  # noqa: E731
-            f4 = F32.itemsize
-            self._launch("gemv", f"front_end_gemv{suffix}", cfg,
-                         (w_in, at(hidden, c.hidden_size), at(gate_in, c.gate_in_width),
-                          at(qkv_parts, c.qkv), at(qkv_proj, c.conv_dim), f_b, g_b, a_log,
-                          dt_bias, at(g_raw, c.qkv), at(out_gate, c.qkv), at(gate, c.qkv, f4),
-                          at(beta, c.num_heads, f4), sync, i32(c.proj_rows), i32(c.hidden_size),
-                          i32(rows), i32(m), i32(c.gate_in_width), i32(c.num_heads),
-                          i32(c.head_dim), i32(c.rank), *self._gate_form(), *shares), stream)
+        if m <= GEMV_COLUMNS:
+            name, (cfg, shares) = "front_end_gemv", self._front_end_plan
+        else:
+            (plan, shares), slabs = self._front_end_batch_plan, _blocks(m, BATCH_SLAB_ROWS)
+            name = "front_end_gemv_batch"
+            cfg = dataclasses.replace(plan, grid=(plan.grid[0], slabs, 1))
+        self._launch("gemv", name, cfg,
+                     (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
+                      out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
+                      i32(m), i32(c.gate_in_width), i32(c.num_heads), i32(c.head_dim),
+                      i32(c.rank), *self._gate_form(), *shares), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

@@ -19,6 +19,7 @@ from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, SEG_FIELDS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
+from .kernels import front_sync_words
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -115,9 +116,10 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "[segments, SEG_FIELDS] int32, then checkpoint slots",
                "packed prefill: a window's segment table (kernels_cu/segments.cuh); a segment "
                "and a checkpoint take at least a chunk each"),
-    BufferSpec("front_sync", lambda c, t, tp: (2,), I32, False, "[2] int32",
-               "decode front end: tiles of f_a|g_a|b done, gate blocks done; zero between calls "
-               "(the last gate block resets them)", poison=False),
+    BufferSpec("front_sync", lambda c, t, tp: (front_sync_words(t),), I32, False,
+               "[2 a slab of 64 rows] int32", "decode front end: tiles of f_a|g_a|b done, gate "
+               "blocks done, a pair a slab; zero between calls (each slab's last gate block "
+               "resets its pair)", poison=False),
     BufferSpec("decode_sync", lambda c, t, tp: (t, c.num_heads), I32, False,
                "[sequences, H] int32", "decode: blocks of a (sequence, head) done with the "
                "recurrent step; zero between calls (the last block resets it)", poison=False),

@@ -249,7 +249,7 @@ __device__ __forceinline__ void front_end(
 // 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
 // added to the running total in share order: exactly the MMAs, chains and sums of
 // gemv_tile's ks shares for every token row, so a row's bits are decode's.
-constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a launch
+constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a block (a slab)
 constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
 static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
 constexpr int SLAB_X_BYTES = GEMV_SLAB_X_STAGES * SLAB_ROWS * SLAB_RUNS * 16;
@@ -359,17 +359,22 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
 #pragma unroll
             for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16)
                 ldmatrix_x4(a[k16], st + (tile * GEMV_TILE + row) * RUNS + ((2 * k16 + (mi >> 1)) ^ (row & 7)));
+            // k32 outermost: the column groups' chains take turns, 2 TB independent MMAs
+            // between two of one chain (a chain's MMAs, and so its sums, in k order as before)
+            const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * g0 + (lane & 7)) * RUNS;
 #pragma unroll
-            for (int gi = 0; gi < TB; ++gi) {
-                if (8 * (g0 + gi) >= M) break;
-                const uint4* xs = xring + ((idx % SX) * SLAB_ROWS + 8 * (g0 + gi) + (lane & 7)) * RUNS;
+            for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
+                unsigned b[TB][4];  // each group's B fragments of k16 blocks 2 k32 and 2 k32 + 1
 #pragma unroll
-                for (int k32 = 0; k32 < GEMV_STAGE_K / 32; ++k32) {
-                    unsigned b[4];  // the B fragments of k16 blocks 2 k32 and 2 k32 + 1
-                    ldmatrix_x4(b, xs + ((4 * k32 + mi) ^ (lane & 7)));
-                    mma_bf16(acc[gi][0], a[2 * k32], b);
-                    mma_bf16(acc[gi][1], a[2 * k32 + 1], b + 2);
-                }
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M)
+                        ldmatrix_x4(b[gi], xs + 8 * gi * RUNS + ((4 * k32 + mi) ^ (lane & 7)));
+#pragma unroll
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M) mma_bf16(acc[gi][0], a[2 * k32], b[gi]);
+#pragma unroll
+                for (int gi = 0; gi < TB; ++gi)
+                    if (8 * (g0 + gi) < M) mma_bf16(acc[gi][1], a[2 * k32 + 1], b[gi] + 2);
             }
         }
         if (--left == 0) {  // the end of a share: its sum into the total, in share order
@@ -403,18 +408,24 @@ __device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, 
         }
 }
 
-// dense_gemv over up to SLAB_ROWS token rows: TB tiles a block.
+// dense_gemv over M token rows: TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
+// launch's slabs run side by side: a slab of o_proj is few blocks, 72 on kimi-linear-48b).
 template <int TB>
 __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
-    const int n0 = blockIdx.x * TB * GEMV_TILE;
+    const int n0 = blockIdx.x * TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    const int rows = min(M - m0, SLAB_ROWS);
+    x += (u64)m0 * ldx;
+    y += (u64)m0 * ldy;
     float out[TB][4];
-    if (gemv_slab<TB>(W, N, K, x, M, ldx, n0, ks, out))
-        slab_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+    if (gemv_slab<TB>(W, N, K, x, rows, ldx, n0, ks, out))
+        slab_outputs(out, n0, N, rows,
+                     [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// front_end over up to SLAB_ROWS token rows, TB tiles a block: the blocks are f_a|g_a|b's
+// front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
+// launch's slabs side by side, each with its own sync pair): a slab's blocks are f_a|g_a|b's
 // (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
 // proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
 // ks, ks_early and ks_gate are front_end's, so every output has its bits.
@@ -427,7 +438,17 @@ __device__ __forceinline__ void front_end_slab(
     float* __restrict__ gate, float* __restrict__ beta, int* __restrict__ sync, int N, int K,
     int M, int P, int ldg, int H, int D, int R, float lower_bound, int bounded, int ks,
     int ks_early, int ks_gate, int early_blocks, int proj_blocks) {
-    const int qkv = H * D, rows = TB * GEMV_TILE;
+    const int qkv = H * D, rows = TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    M = min(M - m0, SLAB_ROWS);
+    x += (u64)m0 * K;
+    gate_in += (u64)m0 * ldg;
+    qkv_parts += (u64)m0 * qkv;  // row m0 + m of each [P, qkv] part
+    qkv_proj += (u64)m0 * 3 * qkv;
+    g_raw += (u64)m0 * qkv;
+    out_gate += (u64)m0 * qkv;
+    gate += (u64)m0 * qkv;
+    beta += (u64)m0 * H;
+    sync += 2 * blockIdx.y;
     if (blockIdx.x < proj_blocks) {
         const bool is_early = blockIdx.x < early_blocks;
         const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
@@ -473,8 +494,8 @@ __device__ __forceinline__ void front_end_slab(
 }
 
 // The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
-// an SM), and the batches' (up to SLAB_ROWS rows a launch, every weight read once for them
-// all). Their dynamic shared memory (the rings) is exported for the CUDA backend.
+// an SM), and the batches' (any rows, SLAB_ROWS a block, every weight read once a slab).
+// Their dynamic shared memory (the rings) is exported for the CUDA backend.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
                 int ks) {

@@ -1,14 +1,15 @@
 """The launch plans: GEMV share counts the kernels can take, a front end whose block counts
 cover every tile of each of its three regions exactly (the CUDA kernel maps blocks to tiles by
-these counts; a tile no block covers would leave its outputs unwritten), and the walk's slices.
-The kernels' shared memory is checked against their sources in test_kernel_layouts.py."""
+these counts; a tile no block covers would leave its outputs unwritten), the walk's slices, and
+the batch GEMVs' slabs in one launch. The kernels' shared memory is checked against their
+sources in test_kernel_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from kdarun import kernels, open_backend, synthetic
-from kdarun import KdaError
+from kdarun import kernels, open_backend, synthetic, workspace
+from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
 
@@ -112,3 +113,33 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
         Glm5NextKdaKernels(host, cfg)
     with pytest.raises(KdaError, match=r"^core: expected one of"):
         Glm5NextKdaKernels(host, cfg, core="fast")
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256])
+def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
+    """o_proj and the front end over m token rows: decode's launch up to one column group,
+    else one launch of every 64-row slab side by side (grid y), each slab's blocks those of a
+    single slab's plan; the front end's sync words hold a pair a slab."""
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    launched = []
+    monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
+                        launched.append((name, cfg_.grid, args)))
+    p = [DevicePtr(16 * (i + 1)) for i in range(14)]
+    kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m)
+    kn.front_end_gemv(0, *p, m)
+    slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
+    (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
+    assert int(dense_args[5]) == m  # every row in the one launch, from the given pointers
+    assert int(front_args[16]) == int(front_args[17]) == m and tuple(front_args[:14]) == tuple(p)
+    assert tuple(dense_args[:3]) == tuple(p[:3])
+    if m <= kernels.GEMV_COLUMNS:
+        assert (dense, front) == ("dense_gemv_bf16", "front_end_gemv")
+        assert dense_grid[1] == front_grid[1] == 1
+    else:
+        assert (dense, front) == ("dense_gemv_bf16_batch", "front_end_gemv_batch")
+        tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
+        assert dense_grid == (ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), slabs, 1)
+        assert front_grid == (kn._front_end_batch_plan[0].grid[0], slabs, 1)
+    assert kernels.front_sync_words(m) == 2 * slabs
+    assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
