@@ -286,18 +286,18 @@ class Glm5NextKdaKernels:
 
     @staticmethod
     def _slab_cfg(rows: int, tiles: int, m: int = 1) -> LaunchConfig:
-        """A batch GEMV's launch over m token rows: a block per `tiles` tiles of the rows (the
-        K shares are walked by each warp in turn), for each slab of BATCH_SLAB_ROWS token rows
-        (grid y)."""
-        return LaunchConfig((_blocks(_blocks(rows, GEMV_TILE), tiles),
-                             _blocks(m, BATCH_SLAB_ROWS), 1), (32 * GEMV_WARPS, 1, 1))
+        """A batch GEMV's launch over m token rows: a block per `tiles` tiles of the rows (grid
+        y; the K shares are walked by each warp in turn), for each slab of BATCH_SLAB_ROWS token
+        rows (grid x: a weight block's slabs neighbours in launch order)."""
+        return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS),
+                             _blocks(_blocks(rows, GEMV_TILE), tiles), 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls.
         Up to GEMV_COLUMNS rows take decode's launch, more one launch of the slabs of
-        GEMV_BATCH_GROUPS column groups side by side (grid y), each weight read once a slab."""
+        GEMV_BATCH_GROUPS column groups side by side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
@@ -333,10 +333,10 @@ class Glm5NextKdaKernels:
         each region: f_a|g_a|b, q|k|v, f_b|g_b and beta's."""
         c = self.cfg
         _, (ks, ks_early, ks_gate, _, _) = self._front_end_plan
-        early_blocks = self._slab_cfg(c.gate_in_rows, GEMV_SLAB_TILES).grid[0]
-        proj_blocks = early_blocks + self._slab_cfg(c.conv_dim, GEMV_SLAB_TILES).grid[0]
-        gate_blocks = self._slab_cfg(2 * c.qkv, GEMV_SLAB_TILES).grid[0] + 1
-        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
+        early_blocks = self._slab_cfg(c.gate_in_rows, GEMV_SLAB_TILES).grid[1]
+        proj_blocks = early_blocks + self._slab_cfg(c.conv_dim, GEMV_SLAB_TILES).grid[1]
+        gate_blocks = self._slab_cfg(2 * c.qkv, GEMV_SLAB_TILES).grid[1] + 1
+        cfg = LaunchConfig((1, proj_blocks + gate_blocks, 1), (32 * GEMV_WARPS, 1, 1))
         return cfg, (ks, ks_early, ks_gate, i32(early_blocks), i32(proj_blocks))
 
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
@@ -357,7 +357,7 @@ class Glm5NextKdaKernels:
         else:
             (plan, shares), slabs = self._front_end_batch_plan, _blocks(m, BATCH_SLAB_ROWS)
             name = "front_end_gemv_batch"
-            cfg = dataclasses.replace(plan, grid=(plan.grid[0], slabs, 1))
+            cfg = dataclasses.replace(plan, grid=(slabs, plan.grid[1], 1))
         self._launch("gemv", name, cfg,
                      (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),

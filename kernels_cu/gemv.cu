@@ -408,13 +408,15 @@ __device__ __forceinline__ void slab_outputs(const float (&out)[TB][4], int n0, 
         }
 }
 
-// dense_gemv over M token rows: TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
-// launch's slabs run side by side: a slab of o_proj is few blocks, 72 on kimi-linear-48b).
+// dense_gemv over M token rows: TB tiles a block (blockIdx.y), rows SLAB_ROWS blockIdx.x.. of
+// them. The slabs of one weight block are neighbours in launch order, so they run at the same
+// time and all but the first read its weights from L2: with the slabs in turn, a weight was
+// read from DRAM once a slab.
 template <int TB>
 __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
-    const int n0 = blockIdx.x * TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    const int n0 = blockIdx.y * TB * GEMV_TILE, m0 = blockIdx.x * SLAB_ROWS;
     const int rows = min(M - m0, SLAB_ROWS);
     x += (u64)m0 * ldx;
     y += (u64)m0 * ldy;
@@ -424,8 +426,9 @@ __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf1
                      [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.y.. of them (a
-// launch's slabs side by side, each with its own sync pair): a slab's blocks are f_a|g_a|b's
+// front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.x.. of them (the
+// slabs of a weight block neighbours, as dense_slab's; each slab its own sync pair): a slab's
+// blocks (blockIdx.y) are f_a|g_a|b's
 // (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
 // proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
 // ks, ks_early and ks_gate are front_end's, so every output has its bits.
@@ -438,7 +441,7 @@ __device__ __forceinline__ void front_end_slab(
     float* __restrict__ gate, float* __restrict__ beta, int* __restrict__ sync, int N, int K,
     int M, int P, int ldg, int H, int D, int R, float lower_bound, int bounded, int ks,
     int ks_early, int ks_gate, int early_blocks, int proj_blocks) {
-    const int qkv = H * D, rows = TB * GEMV_TILE, m0 = blockIdx.y * SLAB_ROWS;
+    const int qkv = H * D, rows = TB * GEMV_TILE, m0 = blockIdx.x * SLAB_ROWS;
     M = min(M - m0, SLAB_ROWS);
     x += (u64)m0 * K;
     gate_in += (u64)m0 * ldg;
@@ -448,10 +451,11 @@ __device__ __forceinline__ void front_end_slab(
     out_gate += (u64)m0 * qkv;
     gate += (u64)m0 * qkv;
     beta += (u64)m0 * H;
-    sync += 2 * blockIdx.y;
-    if (blockIdx.x < proj_blocks) {
-        const bool is_early = blockIdx.x < early_blocks;
-        const int n0 = is_early ? 3 * qkv + blockIdx.x * rows : (blockIdx.x - early_blocks) * rows;
+    sync += 2 * blockIdx.x;
+    const int blk = blockIdx.y;
+    if (blk < proj_blocks) {
+        const bool is_early = blk < early_blocks;
+        const int n0 = is_early ? 3 * qkv + blk * rows : (blk - early_blocks) * rows;
         const int n_end = is_early ? N : 3 * qkv;  // rows past it: another region's
         float out[TB][4];
         if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, is_early ? ks_early : ks, out))
@@ -472,7 +476,7 @@ __device__ __forceinline__ void front_end_slab(
         return;
     }
     auto early_done = [&]() { wait_early(sync, early_blocks); };
-    const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
+    const int gb = blk - proj_blocks, gate_blocks = gridDim.y - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
         early_done();

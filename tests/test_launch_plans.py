@@ -118,8 +118,9 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
 @pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256])
 def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to one column group,
-    else one launch of every 64-row slab side by side (grid y), each slab's blocks those of a
-    single slab's plan; the front end's sync words hold a pair a slab."""
+    else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
+    are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
+    the front end's sync words hold a pair a slab."""
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(open_backend("host"), cfg)
     launched = []
@@ -135,11 +136,11 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
     assert tuple(dense_args[:3]) == tuple(p[:3])
     if m <= kernels.GEMV_COLUMNS:
         assert (dense, front) == ("dense_gemv_bf16", "front_end_gemv")
-        assert dense_grid[1] == front_grid[1] == 1
+        assert dense_grid[1] == front_grid[1] == 1  # decode's launches: blocks in grid x
     else:
         assert (dense, front) == ("dense_gemv_bf16_batch", "front_end_gemv_batch")
         tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
-        assert dense_grid == (ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), slabs, 1)
-        assert front_grid == (kn._front_end_batch_plan[0].grid[0], slabs, 1)
+        assert dense_grid == (slabs, ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), 1)
+        assert front_grid == (slabs, kn._front_end_batch_plan[0].grid[1], 1)
     assert kernels.front_sync_words(m) == 2 * slabs
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab

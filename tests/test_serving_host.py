@@ -51,7 +51,7 @@ def test_front_end_batch_plan_covers_every_row(preset):
     rows = GEMV_SLAB_TILES * GEMV_TILE
     assert cfg.qkv % rows == 0
     for n, blocks in ((cfg.gate_in_rows, early_blocks), (cfg.conv_dim, proj_blocks - early_blocks),
-                      (2 * cfg.qkv, launch.grid[0] - proj_blocks - 1)):
+                      (2 * cfg.qkv, launch.grid[1] - proj_blocks - 1)):
         assert (blocks - 1) * rows < n <= blocks * rows
 
 
