@@ -252,6 +252,8 @@ __device__ __forceinline__ void front_end(
 constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a block (a slab)
 constexpr int SLAB_RUNS = GEMV_STAGE_K / 8;        // 16-byte runs a row of a stage
 static_assert(GEMV_WARPS == GEMV_BATCH_GROUPS, "a warp a tile takes TB of the column groups");
+static_assert(GEMV_WARPS % GEMV_SLAB_TILES == 0 && GEMV_WARPS % GEMV_SLAB_TILES_DENSE == 0,
+              "whole warps a tile");
 constexpr int SLAB_X_BYTES = GEMV_SLAB_X_STAGES * SLAB_ROWS * SLAB_RUNS * 16;
 constexpr int SLAB_W_BYTES = GEMV_SLAB_W_BYTES < SMEM_PER_BLOCK - SLAB_X_BYTES
                                  ? GEMV_SLAB_W_BYTES : SMEM_PER_BLOCK - SLAB_X_BYTES;
