@@ -430,10 +430,10 @@ __device__ __forceinline__ void dense_slab(const bf16* __restrict__ W, const bf1
 
 // front_end over M token rows, TB tiles a block, rows SLAB_ROWS blockIdx.x.. of them (the
 // slabs of a weight block neighbours, as dense_slab's; each slab its own sync pair): a slab's
-// blocks (blockIdx.y) are f_a|g_a|b's
-// (early_blocks, run first; each counts itself done in sync[0]), then q|k|v's (up to
-// proj_blocks), then f_b|g_b's, which wait for all early blocks, and beta's, last. The shares
-// ks, ks_early and ks_gate are front_end's, so every output has its bits.
+// blocks (blockIdx.y) are f_a|g_a|b's (early_blocks, run first; each counts itself done in
+// sync[0]), then q|k|v's (up to proj_blocks), then f_b|g_b's, which wait for all early
+// blocks, and beta's, last. The shares ks, ks_early and ks_gate are front_end's, so every
+// output has its bits.
 template <int TB>
 __device__ __forceinline__ void front_end_slab(
     const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
