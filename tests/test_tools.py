@@ -1,6 +1,6 @@
 """Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, the
 tree A/B's export, flattening and table, the intra kernel's phase marks, the sweep's
-variants, and gpu_check's modes and budget."""
+variants, and gpu_check's modes, budget and tree id."""
 
 import argparse
 import importlib.util
@@ -188,3 +188,22 @@ def test_gpu_check_budget_lets_nothing_start_past_its_end():
     assert budget.skipped == ["prefill T=4096", "batch B=64 K=1"]
     unlimited = gpu_check.Budget(None, clock=lambda: 1e12)
     assert unlimited.allows("decode") and unlimited.skipped == []
+
+
+def test_gpu_check_tree_id_names_the_code_not_the_copy(tmp_path):
+    """Two copies of a tree have one id; a byte changed in a kernel, a file added, or a file
+    renamed gives another; caches do not count."""
+    gpu_check = _tool("gpu_check")
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in gpu_check.TREE_DIRS:
+        shutil.copytree(ROOT / d, a / d, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(a, b)
+    (b / "kdarun" / "__pycache__").mkdir(exist_ok=True)
+    (b / "kdarun" / "__pycache__" / "x.pyc").write_bytes(b"cache")
+    assert gpu_check.tree_id(a) == gpu_check.tree_id(b) == gpu_check.tree_id(ROOT)
+    kernel = b / "kernels_cu" / "gemv.cu"
+    kernel.write_bytes(kernel.read_bytes() + b" ")
+    changed = gpu_check.tree_id(b)
+    assert changed != gpu_check.tree_id(a)
+    kernel.rename(b / "kernels_cu" / "gemv2.cu")
+    assert gpu_check.tree_id(b) not in (changed, gpu_check.tree_id(a))

@@ -8,6 +8,10 @@ forward beside the prefill core where `flash_kda` imports) and a short summary t
         [--mix 1x4096,32x128] [--tokens 1024,4096] [--presets glm-5.3-flash,kimi-linear-48b]
         [--no-fla] [--no-flashkda] [--pytest-args "-k prefill"]
 
+`--tree-id` prints the id of the tree the tool sits in (a hash of kdarun/, kernels_cu/ and
+tools/) and exits; a run prints it first and in its summary, so figures name the code they
+measured (compare with `--tree-id` on a checkout here, or on a tree tools/ab_trees.py exported).
+
 Installs nothing. The benchmarks run only if the tests pass, for each preset the modes of
 --only in its order (default decode, batch, varlen, prefill). With --budget-s no benchmark
 starts once that many seconds have passed since the first: the run ends with what it has and
@@ -18,6 +22,7 @@ $OUT/gpu_check.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -32,6 +37,19 @@ sys.path.insert(0, str(ROOT))
 from kdarun import bench, open_backend  # noqa: E402  (the tree this tool sits in)
 
 MODES = ("decode", "batch", "varlen", "prefill")
+TREE_DIRS = ("kdarun", "kernels_cu", "tools")  # what the figures depend on
+
+
+def tree_id(root: Path = ROOT) -> str:
+    """12 hex digits of a hash over the files of TREE_DIRS under root (their paths and bytes,
+    in path order; caches left out): equal for equal code wherever the tree was copied."""
+    h = hashlib.sha256()
+    for d in TREE_DIRS:
+        for f in sorted((root / d).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                name = f.relative_to(root).as_posix().encode()
+                h.update(name + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def parse_modes(text: str) -> list[str]:
@@ -166,10 +184,17 @@ def main() -> int:
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the benchmarks")
     ap.add_argument("--no-flashkda", action="store_true",
                     help="leave FlashKDA out of the prefill benchmark")
+    ap.add_argument("--tree-id", action="store_true",
+                    help="print this tree's id and exit (no GPU needed)")
     args = ap.parse_args()
+    tree = tree_id()
+    if args.tree_id:
+        print(tree)
+        return 0
+    print(f"kdarun tree {tree}", flush=True)
 
     gpu = open_backend("cuda")
-    report: dict = {"device": gpu.device_name}
+    report: dict = {"device": gpu.device_name, "tree": tree}
     tests = None
     if not args.skip_tests:
         tests = report["tests"] = run_tests(shlex.split(args.pytest_args))
@@ -216,7 +241,7 @@ def main() -> int:
         report["skipped"] = budget.skipped
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(report, indent=2))
-    print("\n==== kdarun GPU check:", report["device"], "====")
+    print(f"\n==== kdarun GPU check: {report['device']}, tree {tree} ====")
     if tests:
         print(f"tests: {tests['summary']} ({tests['seconds']} s)")
     if "ceilings" in report:
