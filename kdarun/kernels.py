@@ -7,7 +7,6 @@ one kernel through `GpuBackend.launch`, so the layer code is the same on every b
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import NamedTuple
@@ -285,12 +284,17 @@ class Glm5NextKdaKernels:
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
 
     @staticmethod
-    def _slab_cfg(rows: int, tiles: int, m: int = 1) -> LaunchConfig:
-        """A batch GEMV's launch over m token rows: a block per `tiles` tiles of the rows (grid
-        y; the K shares are walked by each warp in turn), for each slab of BATCH_SLAB_ROWS token
-        rows (grid x: a weight block's slabs neighbours in launch order)."""
-        return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS),
-                             _blocks(_blocks(rows, GEMV_TILE), tiles), 1), (32 * GEMV_WARPS, 1, 1))
+    def _slab_blocks(rows: int, tiles: int) -> int:
+        """A batch GEMV's blocks a slab over `rows` output rows: one per `tiles` tiles (the K
+        shares are walked by each warp in turn)."""
+        return _blocks(_blocks(rows, GEMV_TILE), tiles)
+
+    @staticmethod
+    def _slab_cfg(blocks: int, m: int) -> LaunchConfig:
+        """A batch GEMV's launch over m token rows: `blocks` a slab (grid y) for each slab of
+        BATCH_SLAB_ROWS token rows (grid x: a weight block's slabs neighbours in launch
+        order)."""
+        return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS), blocks, 1), (32 * GEMV_WARPS, 1, 1))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -303,7 +307,8 @@ class Glm5NextKdaKernels:
         if m <= GEMV_COLUMNS:
             name, cfg = "dense_gemv_bf16", self._gemv_cfg(n, ks)
         else:
-            name, cfg = "dense_gemv_bf16_batch", self._slab_cfg(n, GEMV_SLAB_TILES_DENSE, m)
+            name = "dense_gemv_bf16_batch"
+            cfg = self._slab_cfg(self._slab_blocks(n, GEMV_SLAB_TILES_DENSE), m)
         self._launch("gemv", name, cfg, (w, x, y, i32(n), i32(k), i32(m), i32(k), i32(n),
                                          i32(ks)), stream)
 
@@ -327,17 +332,17 @@ class Glm5NextKdaKernels:
         return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
 
     @functools.cached_property
-    def _front_end_batch_plan(self) -> tuple[LaunchConfig, tuple]:
-        """front_end_gemv_batch's launch shape and arguments: front_end_gemv's shares (a row's
+    def _front_end_batch_plan(self) -> tuple[int, tuple]:
+        """front_end_gemv_batch's blocks a slab and arguments: front_end_gemv's shares (a row's
         sums follow them, so its bits are decode's) and the blocks of GEMV_SLAB_TILES tiles of
         each region: f_a|g_a|b, q|k|v, f_b|g_b and beta's."""
         c = self.cfg
         _, (ks, ks_early, ks_gate, _, _) = self._front_end_plan
-        early_blocks = self._slab_cfg(c.gate_in_rows, GEMV_SLAB_TILES).grid[1]
-        proj_blocks = early_blocks + self._slab_cfg(c.conv_dim, GEMV_SLAB_TILES).grid[1]
-        gate_blocks = self._slab_cfg(2 * c.qkv, GEMV_SLAB_TILES).grid[1] + 1
-        cfg = LaunchConfig((1, proj_blocks + gate_blocks, 1), (32 * GEMV_WARPS, 1, 1))
-        return cfg, (ks, ks_early, ks_gate, i32(early_blocks), i32(proj_blocks))
+        early_blocks = self._slab_blocks(c.gate_in_rows, GEMV_SLAB_TILES)
+        proj_blocks = early_blocks + self._slab_blocks(c.conv_dim, GEMV_SLAB_TILES)
+        gate_blocks = self._slab_blocks(2 * c.qkv, GEMV_SLAB_TILES) + 1
+        return proj_blocks + gate_blocks, (ks, ks_early, ks_gate, i32(early_blocks),
+                                           i32(proj_blocks))
 
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
@@ -355,9 +360,8 @@ class Glm5NextKdaKernels:
         if m <= GEMV_COLUMNS:
             name, (cfg, shares) = "front_end_gemv", self._front_end_plan
         else:
-            (plan, shares), slabs = self._front_end_batch_plan, _blocks(m, BATCH_SLAB_ROWS)
-            name = "front_end_gemv_batch"
-            cfg = dataclasses.replace(plan, grid=(slabs, plan.grid[1], 1))
+            blocks, shares = self._front_end_batch_plan
+            name, cfg = "front_end_gemv_batch", self._slab_cfg(blocks, m)
         self._launch("gemv", name, cfg,
                      (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),

@@ -141,6 +141,6 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
         assert (dense, front) == ("dense_gemv_bf16_batch", "front_end_gemv_batch")
         tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
         assert dense_grid == (slabs, ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), 1)
-        assert front_grid == (slabs, kn._front_end_batch_plan[0].grid[1], 1)
+        assert front_grid == (slabs, kn._front_end_batch_plan[0], 1)
     assert kernels.front_sync_words(m) == 2 * slabs
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab

@@ -44,14 +44,14 @@ def test_front_end_batch_plan_covers_every_row(preset):
     gate block's rows are all f_b's or all g_b's."""
     cfg = synthetic.preset_config(preset)
     kn = Glm5NextKdaKernels(open_backend("host"), cfg)
-    launch, args = kn._front_end_batch_plan
+    total, args = kn._front_end_batch_plan
     _, single = kn._front_end_plan
     assert [int(a) for a in args[:3]] == [int(a) for a in single[:3]]
     early_blocks, proj_blocks = int(args[3]), int(args[4])
     rows = GEMV_SLAB_TILES * GEMV_TILE
     assert cfg.qkv % rows == 0
     for n, blocks in ((cfg.gate_in_rows, early_blocks), (cfg.conv_dim, proj_blocks - early_blocks),
-                      (2 * cfg.qkv, launch.grid[1] - proj_blocks - 1)):
+                      (2 * cfg.qkv, total - proj_blocks - 1)):
         assert (blocks - 1) * rows < n <= blocks * rows
 
 
