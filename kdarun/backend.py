@@ -97,10 +97,14 @@ class Graph(Protocol):
 class LaunchConfig:
     """A launch's grid and block, and its dynamic shared memory where it depends on the
     launch: otherwise (None) the kernel source exports it as `<kernel>_smem` (for a kernel
-    sized per launch, the most any launch takes), and the CUDA backend launches with that."""
+    sized per launch, the most any launch takes), and the CUDA backend launches with that.
+    `overlap`: the launch may start while the one before it on the stream still runs
+    (programmatic dependent launch, where the device has it): only for a kernel that calls
+    `prior_grid_sync` (kernels_cu/common.cuh) as that function's comment requires."""
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int | None = None
+    overlap: bool = False
 
 
 def kernels_dir() -> Path:

@@ -58,6 +58,8 @@ WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup 
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a chunk has 4 pieces)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
+DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
+BATCH_OVERLAP = 0  # the same for the batch kernels: 1 measured slower at B = 64 (perf-log v36)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
@@ -196,6 +198,15 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
     return ks
 
 
+def _overlap(batch: bool = False) -> bool:
+    """Whether a launch of decode's kernels (its GEMVs and stateful walks, which call
+    prior_grid_sync) may overlap the launch before it: DECODE_OVERLAP for decode's own
+    launches (up to GEMV_COLUMNS rows, kda_decode_rows), BATCH_OVERLAP for the batch kernels
+    (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py can switch
+    them."""
+    return bool(BATCH_OVERLAP if batch else DECODE_OVERLAP)
+
+
 def _cfg1d(n: int) -> LaunchConfig:
     return LaunchConfig((_blocks(n), 1, 1), (THREADS, 1, 1))
 
@@ -281,7 +292,7 @@ class Glm5NextKdaKernels:
     @staticmethod
     def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
         blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
-        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
+        return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), overlap=_overlap())
 
     @staticmethod
     def _slab_blocks(rows: int, tiles: int) -> int:
@@ -294,7 +305,8 @@ class Glm5NextKdaKernels:
         """A batch GEMV's launch over m token rows: `blocks` a slab (grid y) for each slab of
         BATCH_SLAB_ROWS token rows (grid x: a weight block's slabs neighbours in launch
         order)."""
-        return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS), blocks, 1), (32 * GEMV_WARPS, 1, 1))
+        return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS), blocks, 1), (32 * GEMV_WARPS, 1, 1),
+                            overlap=_overlap(batch=True))
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
@@ -313,9 +325,9 @@ class Glm5NextKdaKernels:
                                          i32(ks)), stream)
 
     @functools.cached_property
-    def _front_end_plan(self) -> tuple[LaunchConfig, tuple]:
-        """front_end_gemv's launch shape and its share and block arguments: they depend on
-        the config alone, so they are worked out once (decode asks every call)."""
+    def _front_end_plan(self) -> tuple[int, tuple]:
+        """front_end_gemv's blocks and its share and block arguments: they depend on the
+        config alone, so they are worked out once (decode asks every call)."""
         c, sm = self.cfg, self.gpu.sm_count
         qkv_rows = c.conv_dim  # q|k|v come first in the packed projection
         early_rows = c.gate_in_rows  # f_a|g_a|b: few tiles, so every share they can use
@@ -328,8 +340,8 @@ class Glm5NextKdaKernels:
         ks = _gemv_shares(qkv_rows, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
                           at_least=2)
         proj_blocks = early_blocks + self._gemv_cfg(qkv_rows, ks).grid[0]
-        cfg = LaunchConfig((proj_blocks + gate_blocks, 1, 1), (32 * GEMV_WARPS, 1, 1))
-        return cfg, (i32(ks), i32(ks_early), i32(ks_gate), i32(early_blocks), i32(proj_blocks))
+        return proj_blocks + gate_blocks, (i32(ks), i32(ks_early), i32(ks_gate),
+                                           i32(early_blocks), i32(proj_blocks))
 
     @functools.cached_property
     def _front_end_batch_plan(self) -> tuple[int, tuple]:
@@ -358,7 +370,9 @@ class Glm5NextKdaKernels:
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         if m <= GEMV_COLUMNS:
-            name, (cfg, shares) = "front_end_gemv", self._front_end_plan
+            blocks, shares = self._front_end_plan
+            name = "front_end_gemv"
+            cfg = LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), overlap=_overlap())
         else:
             blocks, shares = self._front_end_batch_plan
             name, cfg = "front_end_gemv_batch", self._slab_cfg(blocks, m)
@@ -449,7 +463,8 @@ class Glm5NextKdaKernels:
         core, out_gate, o_norm_out) advance a row a token."""
         c = self.cfg
         self._rows_check("kda_decode_rows", nrows, nsnap)
-        cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
+        cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
+                           overlap=_overlap())
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
@@ -479,7 +494,8 @@ class Glm5NextKdaKernels:
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
         if self._batch_of_one(nseq, nrows):
-            cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1))
+            cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
+                           overlap=_overlap())
             self._launch("recurrent", self.batch_rows_kernel(nseq, nrows), cfg,
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                           o_norm_w, o_norm_out, slots, i32(nslots), fault, sync,
@@ -488,7 +504,8 @@ class Glm5NextKdaKernels:
             return
         split = self._batch_split(nseq)
         smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)
-        cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem)
+        cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem,
+                           overlap=_overlap(batch=True))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,

@@ -86,3 +86,27 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, unsigned 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Decode's launches overlap (programmatic dependent launch, sm_90 on; kdarun.kernels.DECODE_OVERLAP):
+// a kernel launched so may start while the kernel before it on the stream still runs. Before
+// prior_grid_sync it writes nothing global and reads only what no kernel of the call writes
+// (weights, the states, the caller's slot tables). The call waits for the kernel before to
+// end, then lets the next launch start once every block of this one is past it: so a launch
+// starts only after every kernel before the one ahead of it has ended, and the states and
+// tables it reads early were complete before it started. Every block calls it, all its threads before any read of
+// an earlier kernel's outputs; without the launch attribute it returns at once, and below
+// sm_90 it is nothing.
+__device__ __forceinline__ void prior_grid_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Starts `bytes` (a multiple of 16) from src on their way into L2, so a later read finds them
+// there (sm_90 on; nothing below).
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}

@@ -38,8 +38,9 @@ __device__ __forceinline__ float4 (*gemv_part())[32] {
 // j of ks takes stages j, j+ks, ...; dimensions past K are zero-filled, rows past N read row
 // N-1 and are never stored. A token row's sums take the same MMAs in the same order for any M,
 // so a row's bits do not depend on the rows beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
-// ready() runs in every thread after the first stages' weight copies are issued and before
-// any x is read, so a block whose x is still being written waits with its weights in flight.
+// prior_grid_sync, then ready(), run in every thread after the first stages' weight copies are
+// issued and before any x is read, so a block whose x is still being written (by the kernel
+// before, or by blocks of this one) waits with its weights in flight.
 template <bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
@@ -68,6 +69,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         if (u < n) fill(u, u);
         cp_commit();
     }
+    prior_grid_sync();  // x may be the previous kernel's output
     ready();
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's row
     float c[2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
@@ -122,11 +124,20 @@ __device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int 
     }
 }
 
+// o_proj's weights, rows n0.. of `tiles` tiles of this block, on their way into L2 before the
+// block waits for the stateful walk it follows: they stream while the walk runs (its own
+// traffic at small batches is a fraction of the weights') and the tiles then read them from L2.
+__device__ __forceinline__ void prefetch_rows(const bf16* W, int N, int K, int n0, int tiles) {
+    if (threadIdx.x == 0 && n0 < N)
+        prefetch_l2(W + (u64)n0 * K, (unsigned)(min(tiles * GEMV_TILE, N - n0) * K * 2));
+}
+
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
 __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
     const int n0 = gemv_tile_index(blockIdx.x, ks) * GEMV_TILE;
+    prefetch_rows(W, N, K, blockIdx.x * (GEMV_WARPS / ks) * GEMV_TILE, GEMV_WARPS / ks);
     float out[4];
     if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
@@ -218,6 +229,7 @@ __device__ __forceinline__ void front_end(
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
+        prior_grid_sync();
         early_done();
         beta_rows(f_a, beta, M, H, ldg, R);
     } else {
@@ -269,8 +281,9 @@ __host__ __device__ constexpr int slab_smem() {
 
 // W[n0 : n0 + 16 TB, :K] x[:M, :K]^T; true in the warps whose tile has rows (< N), which then
 // hold out[gi] for token rows 8 (g0 + gi) + 2t, + 1 of rows n0 + 16 tile + g, + 8 (g0 as
-// slab_outputs gives it). Every thread of the block must call it. ready() runs in every thread
-// after the first stages' weight copies are issued and before any x is read.
+// slab_outputs gives it). Every thread of the block must call it. prior_grid_sync, then
+// ready(), run in every thread after the first stages' weight copies are issued and before any
+// x is read.
 template <int TB, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
@@ -334,6 +347,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
             if (u < steps) fill_w(u);
             cp_commit();
         }
+    prior_grid_sync();  // x may be the previous kernel's output
     ready();
     if (!copies_w)
 #pragma unroll
@@ -481,6 +495,7 @@ __device__ __forceinline__ void front_end_slab(
     const int gb = blk - proj_blocks, gate_blocks = gridDim.y - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
+        prior_grid_sync();
         early_done();
         beta_rows(f_a, beta, M, H, ldg, R);
     } else {

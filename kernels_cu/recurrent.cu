@@ -69,7 +69,7 @@ __device__ __forceinline__ void conv_load(bf16 (&tap)[MAX_CONV_KERNEL], float (&
 #pragma unroll
     for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
         if (j >= W - 1) break;
-        tap[j] = conv_state[(u64)j * conv_dim + c];
+        tap[j] = __ldcg(conv_state + (u64)j * conv_dim + c);  // read before prior_grid_sync
     }
 #pragma unroll
     for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
@@ -96,11 +96,13 @@ template <int D>
 struct RowLanes {
     static constexpr int L = D / ROW_E, P = 32 / L;  // lanes a row, rows a warp at once
 };
-template <int D>
+// L2: through L2 only (__ldcg), for the state read before prior_grid_sync.
+template <int D, bool L2 = false>
 __device__ __forceinline__ void ldrow(float (&v)[ROW_E], const float* row, int li) {
 #pragma unroll
     for (int c = 0; c < ROW_E / 4; ++c) {
-        const float4 x = *reinterpret_cast<const float4*>(row + 4 * RowLanes<D>::L * c + 4 * li);
+        const float4* at = reinterpret_cast<const float4*>(row + 4 * RowLanes<D>::L * c + 4 * li);
+        const float4 x = L2 ? __ldcg(at) : *at;
         v[4 * c] = x.x, v[4 * c + 1] = x.y, v[4 * c + 2] = x.z, v[4 * c + 3] = x.w;
     }
 }
@@ -165,17 +167,19 @@ __device__ __forceinline__ void decode_rows(
     const bool owner = p < 2 ? slice == 0 : mine_v;   // writes this channel's conv outputs
     const int row0 = slice * ROWS + warp * ROWS_PER_WARP;  // this warp's first state row
     const int li = lane % L, rl = lane / L;                  // this lane in its row's group
-    // Every load that depends on nothing is issued first, so the state rows' latency overlaps
-    // the conv's: this warp's rows of the state, then the taps of this thread's channel. Both
-    // stay in registers for all nrows tokens and are written back once.
+    // The loads that depend on no earlier kernel of the call are issued first, before
+    // prior_grid_sync, so the state rows' latency overlaps the front end's end and the conv:
+    // this warp's rows of the state, then the taps of this thread's channel. Both stay in
+    // registers for all nrows tokens and are written back once.
     float* S = state + (u64)h * D * D;
     float s[PW][ROW_E];  // rows row0 + P p + rl
     if (warp < RW)
 #pragma unroll
-        for (int p = 0; p < PW; ++p) ldrow<D>(s[p], S + (u64)(row0 + P * p + rl) * D, li);
+        for (int p = 0; p < PW; ++p) ldrow<D, true>(s[p], S + (u64)(row0 + P * p + rl) * D, li);
     bf16 tap[MAX_CONV_KERNEL];
     float wt[MAX_CONV_KERNEL];
     if (p < 2 || mine_v) conv_load(tap, wt, conv_state, conv_w, c, conv_dim, W);
+    prior_grid_sync();
     // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
     // finish needs them), warp `row` for token row `row`, lane dims E lane.. (gated_rms's order).
     float og[E], nw[E];
@@ -324,7 +328,8 @@ __device__ __forceinline__ void decode_batch(
     float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D, *cs = gx + nrows * D;
     bf16* ogs = reinterpret_cast<bf16*>(cs + nrows * D);  // [nrows][D]
     bf16* xs = ogs + nrows * D;                           // [nrows][3 D]: q, k, v
-    // The loads that depend on nothing first, so the state rows' latency overlaps the conv's.
+    // The loads that depend on no earlier kernel of the call first, before prior_grid_sync,
+    // so the state rows' latency overlaps the front end's end and the conv.
 #if DECODE_BATCH_BULK
     __shared__ u64 bar;
     float* Ss = dyn;  // [rows][D]
@@ -339,8 +344,14 @@ __device__ __forceinline__ void decode_batch(
     float s[PR][ROW_E] = {};  // rows warp rpw + P p + rl of the block's, where below rpw
 #pragma unroll
     for (int p = 0; p < PR; ++p)
-        if (P * p + rl < rpw) ldrow<D>(s[p], S + (u64)(warp * rpw + P * p + rl) * D, li);
+        if (P * p + rl < rpw) ldrow<D, true>(s[p], S + (u64)(warp * rpw + P * p + rl) * D, li);
 #endif
+    if (tid < D) nws[tid] = o_norm_w[tid];
+    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
+    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
+    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
+    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
+    prior_grid_sync();  // what follows reads the front end's outputs
     {  // a token's 16-byte runs: 3 D / 8 of q, k, v; D / 4 of the decay; D / 8 of the norm gate
         constexpr int XR = 3 * D / 8, GR = D / 4, OR = D / 8, RUNS = XR + GR + OR;
         for (int i = tid; i < nrows * RUNS; i += 2 * D) {
@@ -360,11 +371,6 @@ __device__ __forceinline__ void decode_batch(
         snap[tid] = checked_slot(snap_slots[tid], nslots, fault, 1,
                                  blockIdx.z * (nrows - 1) + tid);
     if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
-    if (tid < D) nws[tid] = o_norm_w[tid];
-    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
-    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
-    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
-    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
     cp_wait<0>();
     __syncthreads();
     // The conv of every token: q / k kept unnormalised in registers until the L2 partial sums
@@ -507,8 +513,9 @@ __device__ __forceinline__ void decode_batch(
                           int* sync, int nseq, int nrows, int nsnap, int H, int W, float scale, \
                           float eps) {                                                          \
         const int b = blockIdx.z;                                                               \
-        const int slot = b < nseq ? checked_slot(slots[b], nslots, fault, 0, b) : -1;           \
-        if (slot < 0) return;                                                                   \
+        const int s = b < nseq ? __ldcg(slots + b) : -1; /* before the wait: the caller's */  \
+        const int slot = checked_slot(s, nslots, fault, 0, b);                                  \
+        if (slot < 0) return prior_grid_sync();                                                 \
         const int qkv = H * D, conv_dim = 3 * qkv;                                              \
         const u64 r0 = (u64)b * nrows;                                                          \
         decode_batch<D>(x + r0 * conv_dim, conv_pool + (u64)slot * (W - 1) * conv_dim, conv_w,  \
@@ -528,8 +535,8 @@ __device__ __forceinline__ void decode_batch(
         const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
         const float* o_norm_w, bf16* o_norm_out, const int* slots, int nslots, int* fault,      \
         int* sync, int H, int W, float scale, float eps) {                                      \
-        const int slot = checked_slot(slots[0], nslots, fault, 0, 0);                           \
-        if (slot < 0) return;                                                                   \
+        const int slot = checked_slot(__ldcg(slots), nslots, fault, 0, 0); /* the caller's */   \
+        if (slot < 0) return prior_grid_sync();                                                 \
         decode_rows<D, DECODE_SPLIT>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w,    \
                                      conv_out, gate, beta, rec_pool + (u64)slot * H * D * D,    \
                                      core, out_gate, o_norm_w, o_norm_out, nullptr, nullptr,    \

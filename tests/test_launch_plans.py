@@ -12,6 +12,8 @@ from kdarun import kernels, open_backend, synthetic, workspace
 from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
+from .helpers import Env, assert_batch_matches_single, random_hidden
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -34,12 +36,12 @@ def test_gemv_shares_are_launchable(rows, k, sm_count):
 def test_front_end_plan_covers_every_tile(preset):
     cfg = synthetic.preset_config(preset)
     kn = Glm5NextKdaKernels(open_backend("host"), cfg)
-    launch, args = kn._front_end_plan
+    blocks, args = kn._front_end_plan
     ks, ks_early, ks_gate, early_blocks, proj_blocks = (int(a) for a in args)
     regions = (  # (tiles, shares, blocks): f_a|g_a|b, then q|k|v, then f_b|g_b (+ beta's block)
         (ceil_div(cfg.gate_in_rows, GEMV_TILE), ks_early, early_blocks),
         (3 * cfg.qkv // GEMV_TILE, ks, proj_blocks - early_blocks),
-        (2 * cfg.qkv // GEMV_TILE, ks_gate, launch.grid[0] - proj_blocks - 1),
+        (2 * cfg.qkv // GEMV_TILE, ks_gate, blocks - proj_blocks - 1),
     )
     for tiles, shares, blocks in regions:
         per_block = GEMV_WARPS // shares
@@ -144,3 +146,32 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
         assert front_grid == (slabs, kn._front_end_batch_plan[0], 1)
     assert kernels.front_sync_words(m) == 2 * slabs
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
+
+
+@pytest.mark.parametrize("single, batch", [(1, 0), (0, 1), (0, 0)])
+def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
+    """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
+    overlap the launch before them: decode's own (up to GEMV_COLUMNS rows, kda_decode_rows) by
+    DECODE_OVERLAP, the batch kernels (slab GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
+    other kernel (prefill's) waits for the one before."""
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
+    env = Env(host, ckpts["bounded"], 256)
+    launched: list[tuple[str, bool]] = []
+    launch = host.launch
+    monkeypatch.setattr(host, "launch", lambda module, kernel, cfg, *rest: (
+        launched.append((kernel, cfg.overlap)), launch(module, kernel, cfg, *rest)))
+    st = env.state(*env.warm_state(seed=5))
+    env.prefill(random_hidden(70, env.cfg.hidden_size, 6), st)
+    assert launched and not any(o for _, o in launched)  # prefill's
+    launched.clear()
+    assert_batch_matches_single(env, 3, 1, seed=7)  # decode_batch of 3 rows, and decode
+    assert_batch_matches_single(env, 3, 3, seed=8)  # verify_batch of 9 rows, and decode_k
+    assert_batch_matches_single(env, 1, 1, seed=9, pad=0)  # a batch of one: decode's launch
+    d = env.cfg.head_dim
+    own = {"front_end_gemv", "dense_gemv_bf16", f"kda_decode_rows_d{d}",
+           f"kda_decode_rows_slot_d{d}"}
+    batched = {"front_end_gemv_batch", "dense_gemv_bf16_batch", f"kda_decode_batch_d{d}"}
+    assert {name for name, _ in launched} >= own | batched
+    for name, o in launched:
+        assert o == (bool(single) and name in own or bool(batch) and name in batched), name

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kdarun import DevicePtr, KdaError
+from kdarun.dtypes import BF16
 from kdarun.kernels import SMEM_PER_BLOCK, decode_batch_bulk
 from kdarun.pool import KdaStatePool
 from kdarun.run import random_hidden
@@ -108,6 +109,71 @@ def test_graph_replay_with_new_slot_tables_equals_eager(pair):
         for s in range(80):
             for a, b in zip(states[s], pool.download(s, stream)):
                 assert np.array_equal(bits(a), bits(b)), s
+    gpu.destroy_stream(stream)
+
+
+@pytest.mark.parametrize("b", [0, 1, 64], ids=["decode", "batch_of_one", "batch_of_64"])
+def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monkeypatch):
+    """Decode's launches overlap the one before (programmatic dependent launch), and a walk
+    reads its states before it waits for the front end: eight calls chained with nothing
+    between them (each call's first launch overlapping the last one's end), eagerly and as
+    one captured graph, end in the same states and last outputs, bit for bit, as the calls
+    launched without overlap and each waited for (both switches, DECODE_OVERLAP and
+    BATCH_OVERLAP, on, then off). b = 0: `decode` on a KdaSeqState."""
+    from kdarun import kernels
+    cu, _ = pair
+    gpu, cfg, steps = cu.gpu, cu.cfg, 8
+    stream = gpu.create_stream()
+    rows, row = max(b, 1), cfg.hidden_size * 2
+    pool = KdaStatePool(gpu, cfg, 80, stream)
+    st = cu.state()
+    start = [cu.warm_state(seed=600 + s % 5) for s in range(80)]
+    rng = np.random.default_rng(601)
+    table_np = rng.permutation(80)[:rows].astype(np.int32)
+    if b > 1:
+        table_np[rng.integers(0, rows, 4)] = -1
+    table = gpu.upload(table_np, stream)
+    h = gpu.upload(random_hidden(steps * rows, cfg.hidden_size, 602), stream)
+
+    def reset():
+        for s in range(80):
+            pool.upload(s, *start[s], stream)
+        st.upload(*start[0], stream)
+        cu.ws.poison(stream)
+
+    def call(i):
+        if b:
+            cu.layer.decode_batch(gpu, h + i * rows * row, b, table, pool, cu.ws, stream)
+        else:
+            cu.layer.decode(gpu, h + i * row, st, cu.ws, stream)
+
+    def result():
+        gpu.synchronize(stream)
+        out = gpu.download(cu.ws.final_out, (rows, cfg.hidden_size), BF16, stream)
+        live = table_np >= 0 if b else np.ones(1, bool)
+        states = [pool.download(s, stream) for s in range(80)] if b else [st.download()]
+        return [out[live]] + [a for slot in states for a in slot]
+
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP", 0)
+    reset()
+    for i in range(steps):
+        call(i)
+        gpu.synchronize(stream)
+    want = result()
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 1)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP", 1)  # off by default, kept working
+    reset()
+    for i in range(steps):
+        call(i)
+    eager = result()
+    graph = gpu.capture(lambda: [call(i) for i in range(steps)], stream)
+    reset()
+    graph.replay(stream)
+    replayed = result()
+    for got in (eager, replayed):
+        for x, y in zip(want, got):
+            assert np.array_equal(bits(x), bits(y))
     gpu.destroy_stream(stream)
 
 
