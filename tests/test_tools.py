@@ -105,6 +105,26 @@ def test_table_gives_runs_and_ratio_of_medians():
     assert decode.split()[-2:] == ["-", "-"]  # no run of `new` has it
 
 
+def test_run_prints_the_table_after_each_tree(tmp_path, capsys):
+    """A call cut short (here: the second tree's measurement fails) has already printed the
+    first tree's figures; trees of one name are refused before anything is measured."""
+    a, b = tmp_path / "main", tmp_path / "new"
+
+    def measure(tree, bench_args):
+        if tree == b:
+            raise SystemExit("cut short")
+        return ab_trees.figures(_report(2.0, 0.75))
+
+    with pytest.raises(SystemExit, match="cut short"):
+        ab_trees.run([a, b], 1, False, [], measure)
+    out = capsys.readouterr().out
+    assert "round 1: main done" in out
+    layer = next(ln for ln in out.splitlines() if ln.startswith("prefill tiny T=64 layer ms"))
+    assert layer.split()[-3:] == ["2.000", "-", "-"]  # main's run; none of new's yet
+    with pytest.raises(SystemExit, match="distinct directory names"):
+        ab_trees.run([a, tmp_path / "x" / "main"], 1, False, [], measure)
+
+
 def test_export_writes_each_ref_as_a_tree(tmp_path):
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)

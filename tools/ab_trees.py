@@ -118,19 +118,24 @@ def _measure(tree: Path, bench_args: list[str]) -> dict[str, float]:
         return figures(json.loads(Path(out, "gpu_check.json").read_text()))
 
 
-def run(trees: list[Path], rounds: int, tests: bool, bench_args: list[str]) -> str:
-    if tests:
-        trees = [t for t in trees if _gpu_tests_pass(t)]
-    if not trees:
-        raise SystemExit("no tree left to measure")
+def run(trees: list[Path], rounds: int, tests: bool, bench_args: list[str],
+        measure=_measure) -> str:
+    """The table of `rounds` rounds over the trees (each tree's own gpu_check, by `measure`),
+    also printed after each tree's run, so a call cut short by its time limit still leaves
+    the figures measured so far in its output."""
     names = [t.name for t in trees]
     if len(set(names)) != len(names):
         raise SystemExit(f"trees need distinct directory names, got {names}")
+    if tests:
+        trees = [t for t in trees if _gpu_tests_pass(t)]
+        names = [t.name for t in trees]
+    if not trees:
+        raise SystemExit("no tree left to measure")
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for i in range(rounds):
         for tree in trees:
-            runs[tree.name].append(_measure(tree, bench_args))
-            print(f"round {i + 1}: {tree.name} done", flush=True)
+            runs[tree.name].append(measure(tree, bench_args))
+            print(f"round {i + 1}: {tree.name} done\n{table(names, runs)}", flush=True)
     return table(names, runs)
 
 
