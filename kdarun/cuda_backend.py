@@ -7,41 +7,18 @@ sources compiled by NVRTC for this device. Prefill GEMMs go to cuBLAS on the cal
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from typing import Any, Sequence
 
 import cupy as cp
 import numpy as np
 
 from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, kernels_dir
+from .driver import OVERLAP_MIN_CC, launch_overlapped
 from .errors import KdaError, check_int, format_bytes
 
 _H2D, _D2H, _D2D = 1, 2, 3
 _CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP = 14, 68, 99
 _OP_N, _OP_T = 0, 1
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-OVERLAP_MIN_CC = 90  # programmatic dependent launch (griddepcontrol): Hopper on
-
-
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    """The CUDA driver library, for the one call CuPy does not wrap (cuLaunchKernelEx)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    return lib
 
 
 class CupyBackend(GpuBackend):
@@ -221,33 +198,10 @@ class CupyBackend(GpuBackend):
             smem = cfg.smem
         cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
         if cfg.overlap and self._cc >= OVERLAP_MIN_CC:
-            self._launch_overlapped(kernel, fn, cfg, smem, cargs, stream)
+            launch_overlapped(kernel, fn.kernel.ptr, cfg.grid, cfg.block, smem, cargs, stream)
             return
         with self.stream_obj(stream):
             fn(cfg.grid, cfg.block, cargs, shared_mem=smem)
-
-    @staticmethod
-    def _launch_overlapped(kernel: str, fn: Any, cfg: LaunchConfig, smem: int,
-                           args: Sequence[np.generic], stream: int) -> None:
-        """`fn` launched by cuLaunchKernelEx with programmatic stream serialisation allowed:
-        it may start before the kernel ahead of it on `stream` ends (its griddepcontrol.wait
-        orders what it reads after that kernel). A stream capture records the edge."""
-        values = [np.asarray(a) for a in args]
-        if any(v.dtype.kind not in "uif" or v.ndim for v in values):
-            raise KdaError(f"{kernel}: kernel arguments must be numpy scalars or DevicePtr")
-        bufs = [ctypes.create_string_buffer(v.tobytes(), v.nbytes) for v in values]
-        params = (ctypes.c_void_p * len(bufs))(*(ctypes.addressof(b) for b in bufs))
-        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value[0] = 1  # programmaticStreamSerializationAllowed
-        conf = _LaunchConfig((ctypes.c_uint * 3)(*cfg.grid), (ctypes.c_uint * 3)(*cfg.block),
-                             smem, int(stream), ctypes.pointer(attr), 1)
-        lib = _driver()
-        err = lib.cuLaunchKernelEx(ctypes.byref(conf), fn.kernel.ptr, params, None)
-        if err:
-            name = ctypes.c_char_p()
-            lib.cuGetErrorName(err, ctypes.byref(name))
-            raise KdaError(f"{kernel}: cuLaunchKernelEx failed: "
-                           f"{(name.value or b'error %d' % err).decode()}")
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:

@@ -453,18 +453,22 @@ class Glm5NextKdaKernels:
                         conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr, beta: DevicePtr,
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
-                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int) -> None:
+                        snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int,
+                        overlap: bool) -> None:
         """nrows decode tokens of one sequence in order, DECODE_SPLIT blocks per head, one
         launch: for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule
         step on state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place;
         the states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
         [nsnap, W-1, conv_dim]. sync [H] int32 counts the blocks of a head done with all
         rows; it must be zero on entry and is left zero. Row pointers (x, conv_out, gate, beta,
-        core, out_gate, o_norm_out) advance a row a token."""
+        core, out_gate, o_norm_out) advance a row a token. `overlap`: the launch may overlap
+        the kernel before it (DECODE_OVERLAP permitting), which it reads its states ahead of:
+        only where that kernel writes neither state (decode's front end), never after another
+        walk."""
         c = self.cfg
         self._rows_check("kda_decode_rows", nrows, nsnap)
         cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
-                           overlap=_overlap())
+                           overlap=overlap and _overlap())
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),

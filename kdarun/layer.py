@@ -216,9 +216,11 @@ class Glm5NextKdaLayer:
                         ws.ptr("front_sync"), t))
 
     def _rows_step(self, row: int, n: int, state: KdaSeqState, ws: Glm5NextKdaWorkspace,
-                   nsnap: int) -> Step:
+                   nsnap: int, after_front_end: bool) -> Step:
         """Rows [row, row+n) of the front end's rows walked token by token in one launch; the
-        states after the first nsnap rows land in the workspace's snapshot scratch."""
+        states after the first nsnap rows land in the workspace's snapshot scratch. Right
+        after the front end the launch may overlap it (it reads the states early); after
+        anything else (`stateful_row`: maybe another walk of the same state) it may not."""
         c = self.cfg
         cd, hd, f = c.conv_dim * BF16.itemsize, c.qkv * BF16.itemsize, c.qkv * F32.itemsize
         return Step("decode_rows", f"kda_decode_rows_d{c.head_dim}", _rows_writes(row, n, nsnap),
@@ -228,7 +230,7 @@ class Glm5NextKdaLayer:
                         ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
                         ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
                         ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"),
-                        ws.ptr("decode_sync"), n, nsnap))
+                        ws.ptr("decode_sync"), n, nsnap, after_front_end))
 
     def _o_proj_step(self, t: int, ws: Glm5NextKdaWorkspace) -> Step:
         c = self.cfg
@@ -243,7 +245,8 @@ class Glm5NextKdaLayer:
         """decode (k = 1) or decode_k's steps over hidden [k, hidden] bf16: the front end, the
         stateful walk over the k rows, the snapshots' copies (when given), o_proj."""
         nsnap = k - 1 if snapshots or self.stage_hook is not None else 0
-        steps = [self._front_end_step(hidden, k, ws), self._rows_step(0, k, state, ws, nsnap)]
+        steps = [self._front_end_step(hidden, k, ws),
+                 self._rows_step(0, k, state, ws, nsnap, after_front_end=True)]
         if snapshots:
             steps.append(Step("snapshots", "copy_d2d", (),
                               lambda s: self._copy_snapshots(state, ws, snapshots, s)))
@@ -267,7 +270,8 @@ class Glm5NextKdaLayer:
                      ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Token `row` of the front end's rows, one launch: conv (+SiLU+L2) rolling the conv
         state, the recurrent step updating the state in place, and the gated RMSNorm."""
-        self.run_steps(gpu, [self._rows_step(row, 1, state, ws, 0)], row + 1, state, ws, stream)
+        self.run_steps(gpu, [self._rows_step(row, 1, state, ws, 0, after_front_end=False)],
+                       row + 1, state, ws, stream)
 
     def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """o_proj over the t rows the stateful walk normalised: ws.o_norm_out ->

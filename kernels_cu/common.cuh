@@ -89,13 +89,17 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 
 // Decode's launches overlap (programmatic dependent launch, sm_90 on; kdarun.kernels.DECODE_OVERLAP):
 // a kernel launched so may start while the kernel before it on the stream still runs. Before
-// prior_grid_sync it writes nothing global and reads only what no kernel of the call writes
-// (weights, the states, the caller's slot tables). The call waits for the kernel before to
-// end, then lets the next launch start once every block of this one is past it: so a launch
-// starts only after every kernel before the one ahead of it has ended, and the states and
-// tables it reads early were complete before it started. Every block calls it, all its threads before any read of
-// an earlier kernel's outputs; without the launch attribute it returns at once, and below
-// sm_90 it is nothing.
+// prior_grid_sync it reads only what no kernel of the call writes (weights, the states, the
+// caller's slot tables) and writes nothing global but the pool's fault words (no other kernel
+// touches them). The call waits for the kernel before to end, then lets the next launch start
+// once every block of this one is past it: so a launch starts only after every kernel before
+// the one ahead of it has ended, and the states and tables it reads early were complete
+// before it started, provided the kernel ahead is not a walk of the same state (the host
+// never overlaps a walk with one: kda_decode_rows' `overlap`). Every block calls it, all its
+// threads before any read of an earlier kernel's outputs; without the launch attribute the
+// wait returns at once, and below sm_90 both are nothing. A kernel launched after one of
+// these with programmatic serialisation of its own must wait before it reads their outputs,
+// as CUDA requires of any such kernel.
 __device__ __forceinline__ void prior_grid_sync() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -153,7 +153,8 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
     overlap the launch before them: decode's own (up to GEMV_COLUMNS rows, kda_decode_rows) by
     DECODE_OVERLAP, the batch kernels (slab GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
-    other kernel (prefill's) waits for the one before."""
+    other kernel (prefill's), and a walk that may follow another walk (`stateful_row`), waits
+    for the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
     monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
     env = Env(host, ckpts["bounded"], 256)
@@ -175,3 +176,11 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     assert {name for name, _ in launched} >= own | batched
     for name, o in launched:
         assert o == (bool(single) and name in own or bool(batch) and name in batched), name
+    launched.clear()  # the seed API's pieces: a walk after a walk of the same state never
+    h = host.upload(random_hidden(2, env.cfg.hidden_size, 10))  # overlaps it
+    env.layer.front_end(host, h, 2, env.ws, 0)
+    env.layer.stateful_row(host, 0, st, env.ws, 0)
+    env.layer.stateful_row(host, 1, st, env.ws, 0)
+    env.layer.back_end(host, 2, env.ws, 0)
+    assert launched == [("front_end_gemv", bool(single)), (f"kda_decode_rows_d{d}", False),
+                        (f"kda_decode_rows_d{d}", False), ("dense_gemv_bf16", bool(single))]

@@ -89,6 +89,32 @@ def test_decode_k_bit_identical_to_serial(pair, K):
     assert_decode_k_matches_serial(pair[0], K, seed=300 + 10 * K)
 
 
+def test_seed_pieces_chained_equal_decode_k(pair):
+    """front_end over 4 rows, stateful_row 0..3 and back_end, enqueued with nothing between
+    them (a walk right after a walk of the same state: launched without overlap), give
+    decode_k's outputs and states bit for bit."""
+    cu, _ = pair
+    gpu, K = cu.gpu, 4
+    stream = gpu.create_stream()
+    R, C = cu.warm_state(seed=410)
+    h = gpu.upload(random_hidden(K, cu.cfg.hidden_size, seed=411))
+    st = cu.state(R, C)
+    cu.layer.decode_k(gpu, h, K, st, cu.ws, [], stream)
+    gpu.synchronize(stream)
+    want = [cu.ws.read("final_out", K)] + list(st.download())
+    st.upload(R.astype(np.float32), C, stream)
+    cu.ws.poison(stream)
+    cu.layer.front_end(gpu, h, K, cu.ws, stream)
+    for row in range(K):
+        cu.layer.stateful_row(gpu, row, st, cu.ws, stream)
+    cu.layer.back_end(gpu, K, cu.ws, stream)
+    gpu.synchronize(stream)
+    got = [cu.ws.read("final_out", K)] + list(st.download())
+    for a, b in zip(want, got):
+        assert np.array_equal(bits(a), bits(b))
+    gpu.destroy_stream(stream)
+
+
 @pytest.mark.parametrize("K", [1, 4])
 def test_graph_replay_bit_identical_to_eager(pair, K):
     cu, _ = pair

@@ -120,9 +120,13 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     one captured graph, end in the same states and last outputs, bit for bit, as the calls
     launched without overlap and each waited for (both switches, DECODE_OVERLAP and
     BATCH_OVERLAP, on, then off). b = 0: `decode` on a KdaSeqState."""
-    from kdarun import kernels
+    from kdarun import cuda_backend, kernels
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
+    overlapped = []
+    real = cuda_backend.launch_overlapped
+    monkeypatch.setattr(cuda_backend, "launch_overlapped",
+                        lambda kernel, *rest: (overlapped.append(kernel), real(kernel, *rest)))
     stream = gpu.create_stream()
     rows, row = max(b, 1), cfg.hidden_size * 2
     pool = KdaStatePool(gpu, cfg, 80, stream)
@@ -174,6 +178,9 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     for got in (eager, replayed):
         for x, y in zip(want, got):
             assert np.array_equal(bits(x), bits(y))
+    # the path under test ran: every launch of the overlapped calls (3 a call) went through
+    # cuLaunchKernelEx where the GPU has it; none of the calls launched one at a time
+    assert len(overlapped) == (2 * 3 * steps if gpu.compute_capability >= 90 else 0)
     gpu.destroy_stream(stream)
 
 

@@ -1,0 +1,46 @@
+"""The overlapped launch's driver structures and argument packing, against cuda.h's layout
+(the call itself needs a GPU: tests/gpu)."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+from kdarun import KdaError, driver
+
+
+def test_structures_have_cuda_h_layout():
+    """CUlaunchAttribute: a 4-byte id, padding to 8, a 64-byte value union (72 bytes);
+    CUlaunchConfig: six dims and the shared memory (28 bytes), the stream at 32, the
+    attributes at 40, their count at 48 (56 bytes)."""
+    assert ctypes.sizeof(driver.LaunchAttr) == 72 and driver.LaunchAttr.value.offset == 8
+    cfg = driver.LaunchConfigEx
+    assert [getattr(cfg, f).offset for f in ("grid", "block", "shared_mem", "stream", "attrs",
+                                             "num_attrs")] == [0, 12, 24, 32, 40, 48]
+    assert ctypes.sizeof(cfg) == 56
+
+
+def test_arguments_pack_into_8_byte_slots_with_their_addresses():
+    args = (np.uint64(0x1234_5678_9ABC), np.int32(-7), np.float32(1.5), np.int64(-2),
+            np.int32(2**31 - 1))
+    buf, params = driver.pack_args("k", args)
+    raw, n = bytes(buf), len(args)
+    slots = [raw[8 * i: 8 * i + 8] for i in range(n)]
+    assert struct.unpack("<Q", slots[0])[0] == 0x1234_5678_9ABC
+    assert struct.unpack("<i", slots[1][:4])[0] == -7
+    assert struct.unpack("<f", slots[2][:4])[0] == 1.5
+    assert struct.unpack("<q", slots[3])[0] == -2
+    assert struct.unpack("<i", slots[4][:4])[0] == 2**31 - 1
+    base = ctypes.addressof(buf)
+    assert params == base + 8 * n  # the address array follows the slots
+    assert list(struct.unpack(f"<{n}Q", raw[8 * n:])) == [base + 8 * i for i in range(n)]
+
+
+@pytest.mark.parametrize("bad", [3, 1.0, np.float64(1.0), np.int16(1)])
+def test_arguments_of_other_types_are_refused(bad):
+    with pytest.raises(KdaError, match=r"^kern: kernel arguments must be numpy uint64, int64, "
+                                       r"int32 or float32 scalars"):
+        driver.pack_args("kern", (np.int32(1), bad))
