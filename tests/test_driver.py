@@ -44,3 +44,33 @@ def test_arguments_of_other_types_are_refused(bad):
     with pytest.raises(KdaError, match=r"^kern: kernel arguments must be numpy uint64, int64, "
                                        r"int32 or float32 scalars"):
         driver.pack_args("kern", (np.int32(1), bad))
+
+
+def test_the_launch_hands_the_driver_what_cuda_h_says(monkeypatch):
+    """launch_overlapped's call as the driver reads it (CI has no driver; a C-callable stand-in
+    with cuLaunchKernelEx's signature reads the config and the kernelParams array the way the
+    driver does): dims, shared memory, stream, the one attribute, each argument's value."""
+    seen: dict = {}
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(driver.LaunchConfigEx),
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+    def read(conf, function, params, extra):
+        c, ptrs = conf.contents, ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        seen.update(grid=tuple(c.grid), block=tuple(c.block), smem=c.shared_mem,
+                    stream=c.stream, attrs=[(c.attrs[i].id, c.attrs[i].value[0])
+                                            for i in range(c.num_attrs)],
+                    function=function, extra=extra)
+        seen["args"] = (ctypes.cast(ptrs[0], ctypes.POINTER(ctypes.c_uint64))[0],
+                        ctypes.cast(ptrs[1], ctypes.POINTER(ctypes.c_int32))[0],
+                        ctypes.cast(ptrs[2], ctypes.POINTER(ctypes.c_float))[0])
+        return 0
+
+    fn = proto(read)
+    monkeypatch.setattr(driver, "_driver", lambda: type("Lib", (), {
+        "cuLaunchKernelEx": staticmethod(lambda *a: fn(*a))}))
+    driver.launch_overlapped("k", 0xDEAD0, (3, 2, 1), (256, 1, 1), 4096,
+                             (np.uint64(0x7F00_0000_1000), np.int32(-5), np.float32(0.25)),
+                             0x55AA)
+    assert seen == {"grid": (3, 2, 1), "block": (256, 1, 1), "smem": 4096, "stream": 0x55AA,
+                    "attrs": [(6, 1)], "function": 0xDEAD0, "extra": None,
+                    "args": (0x7F00_0000_1000, -5, 0.25)}
