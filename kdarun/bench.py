@@ -276,42 +276,72 @@ def bench_decode_rank(gpu: GpuBackend, comm: NcclComm, preset: str, k: int, grap
         gpu.destroy_stream(stream)
 
 
+@dataclass
+class BatchRun:
+    """Batched decode's (k = 1) or batched verify's benchmark set-up: DECODE_LAYERS bound
+    layers, each with a pool of random states in shuffled slots (the sequences', then their
+    snapshots'), a workspace, the slot tables and `batch * k` random hidden rows; `step` is
+    one call of every layer in turn, what the benchmark captures and replays."""
+    gpu: GpuBackend
+    cfg: Glm5NextKdaConfig
+    batch: int
+    k: int
+    stream: int
+    layers: list[Glm5NextKdaLayer]
+    pools: list[KdaStatePool]
+    ws: Glm5NextKdaWorkspace
+    slots: DevicePtr
+    snaps: DevicePtr | None
+    h: DevicePtr
+
+    @classmethod
+    def make(cls, gpu: GpuBackend, preset: str, batch: int, k: int, stream: int,
+             gate: str | None = None) -> "BatchRun":
+        cfg = synthetic.preset_config(preset, gate)
+        layers = bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
+        ws = Glm5NextKdaWorkspace(gpu, cfg, batch * k)
+        rng = np.random.default_rng(2)
+        nslots = batch * k
+        pools = [KdaStatePool(gpu, cfg, nslots, stream) for _ in layers]
+        for pool in pools:
+            gpu.copy_h2d(pool.recurrent, rng.standard_normal(
+                (nslots, *recurrent_shape(cfg)), dtype=np.float32) * 0.05, stream)
+        slots = gpu.upload(rng.permutation(batch).astype(np.int32), stream)
+        snaps = gpu.upload(batch + rng.permutation(batch * (k - 1)).astype(np.int32), stream) \
+            if k > 1 else None
+        h = gpu.upload(random_hidden(batch * k, cfg.hidden_size, 3), stream)
+        return cls(gpu, cfg, batch, k, stream, layers, pools, ws, slots, snaps, h)
+
+    def step(self) -> None:
+        for layer, pool in zip(self.layers, self.pools):
+            if self.k == 1:
+                layer.decode_batch(self.gpu, self.h, self.batch, self.slots, pool, self.ws,
+                                   self.stream)
+            else:
+                layer.verify_batch(self.gpu, self.h, self.batch, self.k, self.slots, pool,
+                                   self.ws, self.snaps, self.stream)
+
+    def release(self) -> None:
+        _release(self.gpu, self.layers, self.pools, self.ws, self.h)
+        for p in (self.slots, self.snaps):
+            if p is not None:
+                self.gpu.free(p)
+
+
 def bench_batch(gpu: GpuBackend, preset: str, batch: int, k: int, ceil: Ceilings, stream: int,
                 reps: int = 100, gate: str | None = None) -> DecodeResult:
     """Batched decode (k = 1) or batched verify with snapshots of `batch` sequences, graph
-    replays over DECODE_LAYERS layers, each with a pool of random states in shuffled slots."""
-    cfg = synthetic.preset_config(preset, gate)
-    layers = bound_layers(gpu, cfg, DECODE_LAYERS, 1, stream)
-    ws = Glm5NextKdaWorkspace(gpu, cfg, batch * k)
-    rng = np.random.default_rng(2)
-    nslots = batch * k  # the sequences', then their snapshots'
-    pools = [KdaStatePool(gpu, cfg, nslots, stream) for _ in layers]
-    for pool in pools:
-        gpu.copy_h2d(pool.recurrent, rng.standard_normal(
-            (nslots, *recurrent_shape(cfg)), dtype=np.float32) * 0.05, stream)
-    slots = gpu.upload(rng.permutation(batch).astype(np.int32), stream)
-    snaps = gpu.upload(batch + rng.permutation(batch * (k - 1)).astype(np.int32), stream) \
-        if k > 1 else None
-    h = gpu.upload(random_hidden(batch * k, cfg.hidden_size, 3), stream)
-
-    def step() -> None:
-        for layer, pool in zip(layers, pools):
-            if k == 1:
-                layer.decode_batch(gpu, h, batch, slots, pool, ws, stream)
-            else:
-                layer.verify_batch(gpu, h, batch, k, slots, pool, ws, snaps, stream)
-
-    step()
-    g = gpu.capture(step, stream)
+    replays over DECODE_LAYERS layers (`BatchRun`)."""
+    run = BatchRun.make(gpu, preset, batch, k, stream, gate)
+    run.step()
+    g = gpu.capture(run.step, stream)
     us = median_ms(gpu, lambda: g.replay(stream), stream, reps) * 1e3 / DECODE_LAYERS
-    kernels = step_times(gpu, [layer.batch_steps(h, batch, k, slots, pool, ws, snaps)
-                               for layer, pool in zip(layers, pools)], stream)
-    nbytes = decode_bytes(cfg, layers[0].weights, k, batch, snapshots=k > 1)
+    kernels = step_times(gpu, [layer.batch_steps(run.h, batch, k, run.slots, pool, run.ws,
+                                                 run.snaps)
+                               for layer, pool in zip(run.layers, run.pools)], stream)
+    nbytes = decode_bytes(run.cfg, run.layers[0].weights, k, batch, snapshots=k > 1)
     gbps = nbytes / us / 1e3
-    _release(gpu, layers, pools, ws, h)
-    for p in (slots, snaps):
-        if p is not None:
-            gpu.free(p)
+    run.release()
     return DecodeResult(preset, "batch-decode" if k == 1 else "batch-verify", k, True, us,
                         nbytes, gbps, gbps / ceil.copy_gbps, kernels_us=kernels, batch=batch)
 

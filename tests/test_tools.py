@@ -1,6 +1,6 @@
 """Developer tools' host-side parts: the SASS mix read from an Nsight Compute listing, the
 tree A/B's export, flattening and table, the intra kernel's phase marks, the sweep's
-variants, and gpu_check's modes, budget and tree id."""
+variants, gpu_check's modes, budget and tree id, and the timeline's launches."""
 
 import argparse
 import importlib.util
@@ -23,6 +23,7 @@ def _tool(name: str):
 
 
 sass_mix, ab_trees, chunk_phases = _tool("sass_mix"), _tool("ab_trees"), _tool("chunk_phases")
+timeline = _tool("timeline")
 
 COLS = ('"Address","Source","Warp Stall Sampling (All Samples)",'
         '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed"')
@@ -227,3 +228,26 @@ def test_gpu_check_tree_id_names_the_code_not_the_copy(tmp_path):
     assert changed != gpu_check.tree_id(a)
     kernel.rename(b / "kernels_cu" / "gemv2.cu")
     assert gpu_check.tree_id(b) not in (changed, gpu_check.tree_id(a))
+
+
+def test_timeline_places_each_launch_of_the_replays():
+    """Two replays of three launches (given out of order, as activity records may come): per
+    launch the median start after the replay's first, duration and gap (negative where the
+    launch started before the one ahead ended), and the replay's span."""
+    reps = [(0.0, [(0, 30, "front"), (28, 100, "walk"), (101, 110, "o_proj")]),
+            (500.0, [(0, 32, "front"), (31, 105, "walk"), (104, 112, "o_proj")])]
+    events = [(t0 + a, t0 + b, n) for t0, run in reps for a, b, n in run][::-1]
+    rows = timeline.launches(events, 2)
+    assert [r["name"] for r in rows[:3]] == ["front", "walk", "o_proj"]
+    assert [r["start"] for r in rows[:3]] == [0.0, 29.5, 102.5]
+    assert [r["us"] for r in rows] == [31.0, 73.0, 8.5, 111.0]
+    assert [r["gap"] for r in rows] == [None, -1.5, 0.0, None]
+    table = timeline.format_rows(rows).splitlines()
+    assert table[2].split() == ["1", "walk", "29.5", "73.0", "-1.5"]
+
+
+def test_timeline_refuses_replays_it_cannot_line_up():
+    with pytest.raises(SystemExit, match="5 kernel records for 2 replays"):
+        timeline.launches([(i, i + 1, "k") for i in range(5)], 2)
+    with pytest.raises(SystemExit, match="differ in name or order"):
+        timeline.launches([(0, 1, "a"), (2, 3, "b"), (10, 11, "b"), (12, 13, "a")], 2)
