@@ -251,3 +251,14 @@ def test_timeline_refuses_replays_it_cannot_line_up():
         timeline.launches([(i, i + 1, "k") for i in range(5)], 2)
     with pytest.raises(SystemExit, match="differ in name or order"):
         timeline.launches([(0, 1, "a"), (2, 3, "b"), (10, 11, "b"), (12, 13, "a")], 2)
+
+
+def test_sweep_applies_each_variant_and_puts_the_built_values_back():
+    sweep = _tool("sweep")
+    mod = argparse.Namespace(A=1, B=2)
+    seen = [(mod.A, mod.B) for _ in sweep.applied([{"A": 5}, {"A": 6}], mod)]
+    assert seen == [(5, 2), (6, 2)] and (mod.A, mod.B) == (1, 2)
+    with pytest.raises(RuntimeError):  # a loop that stops early puts them back too
+        for _ in sweep.applied([{"B": 7}, {"B": 8}], mod):
+            raise RuntimeError
+    assert (mod.A, mod.B) == (1, 2)

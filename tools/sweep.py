@@ -22,6 +22,7 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,14 +51,32 @@ def label(variant: dict[str, int]) -> str:
     return " ".join(f"{n}={v}" for n, v in variant.items()) or "as built"
 
 
+def add_set_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
+                    help="a constant of kdarun/kernels.py and its values (repeatable)")
+
+
+def applied(variants: list[dict[str, int]], module) -> Iterator[dict[str, int]]:
+    """Each variant in turn with its constants set on `module`; the values it had before are
+    put back after the last, or when the loop over them stops early."""
+    saved = {name: getattr(module, name) for name in variants[0]}
+    try:
+        for variant in variants:
+            for name, value in variant.items():
+                setattr(module, name, value)
+            yield variant
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("batch-decode", "prefill"), default="batch-decode")
     ap.add_argument("--preset", default="kimi-linear-48b")
     ap.add_argument("--batch", default="64", help="batched decode: sequences, comma-separated")
     ap.add_argument("--tokens", default="16384", help="prefill: lengths, comma-separated")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
-                    help="a constant of kdarun/kernels.py and its values (repeatable)")
+    add_set_argument(ap)
     args = ap.parse_args()
 
     from kdarun import bench, kernels, open_backend
@@ -65,7 +84,6 @@ def main() -> int:
     gpu = open_backend("cuda")
     stream = gpu.create_stream()
     ceil = bench.measure_ceilings(gpu, stream)
-    saved = {name: getattr(kernels, name) for name in variants[0]}
 
     def measure(variant: dict[str, int]) -> list[tuple[str, str, str, dict]]:
         out = []
@@ -85,18 +103,12 @@ def main() -> int:
         return out
 
     rows = []
-    try:
-        for variant in variants:
-            for name, value in variant.items():
-                setattr(kernels, name, value)
-            try:
-                rows += measure(variant)
-            except Exception as e:  # a variant that does not build or launch: the next one
-                rows.append((label(variant), "-", "failed", {}))
-                print(label(variant), f"failed: {type(e).__name__}: {e}", flush=True)
-    finally:
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+    for variant in applied(variants, kernels):
+        try:
+            rows += measure(variant)
+        except Exception as e:  # a variant that does not build or launch: the next one
+            rows.append((label(variant), "-", "failed", {}))
+            print(label(variant), f"failed: {type(e).__name__}: {e}", flush=True)
     print(f"\n==== sweep, {args.mode}, {args.preset}: {gpu.device_name} ====")
     for variant, size, total, steps in rows:
         print(f"{variant:<48} {size:<8} {total:>11}  " +

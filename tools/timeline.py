@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import label, parse_sets  # noqa: E402  (this tree's, beside this file)
+from sweep import add_set_argument, applied, label, parse_sets  # noqa: E402  (this tree's, beside this file)
 
 COPIES = ("Memcpy", "Memset")  # activity rows that are not kernels
 
@@ -83,8 +83,7 @@ def main() -> int:
     ap.add_argument("--batch", default="1,64", help="sequences, comma-separated")
     ap.add_argument("--k", type=int, default=1, help="rows a sequence (> 1: batched verify)")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=v1,v2",
-                    help="a constant of kdarun/kernels.py and its values (repeatable)")
+    add_set_argument(ap)
     args = ap.parse_args()
 
     from kdarun import kernels, open_backend
@@ -93,26 +92,19 @@ def main() -> int:
     variants = parse_sets(args.set, kernels)
     gpu = open_backend("cuda")
     stream = gpu.create_stream()
-    saved = {name: getattr(kernels, name) for name in variants[0]}
-    try:
-        for variant in variants:
-            for name, value in variant.items():
-                setattr(kernels, name, value)
-            for b in (int(x) for x in args.batch.split(",")):
-                run = BatchRun.make(gpu, args.preset, b, args.k, stream)
-                run.step()
-                graph = gpu.capture(run.step, stream)
-                for _ in range(3):
-                    graph.replay(stream)
-                events = profile_replays(lambda: graph.replay(stream),
-                                         lambda: gpu.synchronize(stream), args.reps)
-                run.release()
-                print(f"\n== {label(variant)}, {args.preset}, B={b} K={args.k}, "
-                      f"{gpu.device_name} ==\n{format_rows(launches(events, args.reps))}",
-                      flush=True)
-    finally:
-        for name, value in saved.items():
-            setattr(kernels, name, value)
+    for variant in applied(variants, kernels):
+        for b in (int(x) for x in args.batch.split(",")):
+            run = BatchRun.make(gpu, args.preset, b, args.k, stream)
+            run.step()
+            graph = gpu.capture(run.step, stream)
+            for _ in range(3):
+                graph.replay(stream)
+            events = profile_replays(lambda: graph.replay(stream),
+                                     lambda: gpu.synchronize(stream), args.reps)
+            run.release()
+            print(f"\n== {label(variant)}, {args.preset}, B={b} K={args.k}, "
+                  f"{gpu.device_name} ==\n{format_rows(launches(events, args.reps))}",
+                  flush=True)
     return 0
 
 
