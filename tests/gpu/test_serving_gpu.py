@@ -112,14 +112,16 @@ def test_graph_replay_with_new_slot_tables_equals_eager(pair):
     gpu.destroy_stream(stream)
 
 
-@pytest.mark.parametrize("b", [0, 1, 64], ids=["decode", "batch_of_one", "batch_of_64"])
+@pytest.mark.parametrize("b", [0, -3, 1, 64], ids=["decode", "decode_k", "batch_of_one",
+                                                   "batch_of_64"])
 def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monkeypatch):
     """Decode's launches overlap the one before (programmatic dependent launch), and a walk
     reads its states before it waits for the front end: eight calls chained with nothing
     between them (each call's first launch overlapping the last one's end), eagerly and as
-    one captured graph, end in the same states and last outputs, bit for bit, as the calls
-    launched without overlap and each waited for (both switches, DECODE_OVERLAP and
-    BATCH_OVERLAP, on, then off). b = 0: `decode` on a KdaSeqState."""
+    one captured graph, end in the same states, snapshots and last outputs, bit for bit, as
+    the calls launched without overlap and each waited for (both switches, DECODE_OVERLAP and
+    BATCH_OVERLAP, on, then off). b = 0: `decode` on a KdaSeqState; b = -3: `decode_k` of 3
+    rows with snapshots (copies between the walk and o_proj); b > 0: `decode_batch`."""
     from kdarun import cuda_backend, kernels
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
@@ -128,9 +130,10 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     monkeypatch.setattr(cuda_backend, "launch_overlapped",
                         lambda kernel, *rest: (overlapped.append(kernel), real(kernel, *rest)))
     stream = gpu.create_stream()
-    rows, row = max(b, 1), cfg.hidden_size * 2
+    rows, row = abs(b) or 1, cfg.hidden_size * 2
     pool = KdaStatePool(gpu, cfg, 80, stream)
     st = cu.state()
+    snaps = [cu.state() for _ in range(-b - 1)]
     start = [cu.warm_state(seed=600 + s % 5) for s in range(80)]
     rng = np.random.default_rng(601)
     table_np = rng.permutation(80)[:rows].astype(np.int32)
@@ -142,20 +145,25 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     def reset():
         for s in range(80):
             pool.upload(s, *start[s], stream)
-        st.upload(*start[0], stream)
+        for s in [st, *snaps]:
+            s.upload(*start[0], stream)
         cu.ws.poison(stream)
 
     def call(i):
-        if b:
+        if b > 0:
             cu.layer.decode_batch(gpu, h + i * rows * row, b, table, pool, cu.ws, stream)
+        elif b < 0:
+            cu.layer.decode_k(gpu, h + i * rows * row, rows, st, cu.ws,
+                              [(s.recurrent, s.conv) for s in snaps], stream)
         else:
             cu.layer.decode(gpu, h + i * row, st, cu.ws, stream)
 
     def result():
         gpu.synchronize(stream)
         out = gpu.download(cu.ws.final_out, (rows, cfg.hidden_size), BF16, stream)
-        live = table_np >= 0 if b else np.ones(1, bool)
-        states = [pool.download(s, stream) for s in range(80)] if b else [st.download()]
+        live = table_np >= 0 if b > 0 else np.ones(rows, bool)
+        states = ([pool.download(s, stream) for s in range(80)] if b > 0 else
+                  [s.download() for s in [st, *snaps]])
         return [out[live]] + [a for slot in states for a in slot]
 
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
