@@ -499,7 +499,7 @@ class Glm5NextKdaKernels:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
         if self._batch_of_one(nseq, nrows):
             cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
-                           overlap=_overlap())
+                               overlap=_overlap())  # after the front end (batch_steps)
             self._launch("recurrent", self.batch_rows_kernel(nseq, nrows), cfg,
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                           o_norm_w, o_norm_out, slots, i32(nslots), fault, sync,
