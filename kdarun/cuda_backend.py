@@ -37,7 +37,7 @@ class CupyBackend(GpuBackend):
                            f"cp.async)")
         self._mem: dict[int, Any] = {}
         self._streams: dict[int, Any] = {0: cp.cuda.Stream.null}
-        self._functions: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._functions: dict[tuple[str, str], tuple[Any, int, int]] = {}
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
 
@@ -177,20 +177,20 @@ class CupyBackend(GpuBackend):
         cp.cuda.runtime.memcpy(word.ctypes.data, int(at), word.nbytes, _D2H)
         return int(word[0])
 
-    def _function(self, module: "_Module", kernel: str) -> tuple[Any, int]:
-        """A kernel's function and its dynamic shared memory, allowed on the function once,
-        here, when it is first launched."""
+    def _function(self, module: "_Module", kernel: str) -> tuple[Any, int, int]:
+        """A kernel's function, its dynamic shared memory (allowed on the function once, here,
+        when it is first launched) and its CUfunction handle (for overlapped launches)."""
         key = (module.family, kernel)
         if key not in self._functions:
             fn, smem = module.raw.get_function(kernel), self.shared_bytes(module, kernel)
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
-            self._functions[key] = (fn, smem)
+            self._functions[key] = (fn, smem, fn.kernel.ptr)
         return self._functions[key]
 
     def launch(self, module: "_Module", kernel: str, cfg: LaunchConfig, args: Sequence[Any],
                stream: int) -> None:
-        fn, smem = self._function(module, kernel)
+        fn, smem, handle = self._function(module, kernel)
         if cfg.smem is not None:
             if cfg.smem > smem:
                 raise KdaError(f"{kernel}: a launch asks for {cfg.smem} bytes of shared memory, "
@@ -198,7 +198,7 @@ class CupyBackend(GpuBackend):
             smem = cfg.smem
         cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
         if cfg.overlap and self._cc >= OVERLAP_MIN_CC:
-            launch_overlapped(kernel, fn.kernel.ptr, cfg.grid, cfg.block, smem, cargs, stream)
+            launch_overlapped(kernel, handle, cfg.grid, cfg.block, smem, cargs, stream)
             return
         with self.stream_obj(stream):
             fn(cfg.grid, cfg.block, cargs, shared_mem=smem)

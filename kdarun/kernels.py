@@ -290,8 +290,14 @@ class Glm5NextKdaKernels:
                            f"got k={k} ldx={ldx}")
 
     @staticmethod
-    def _gemv_cfg(rows: int, ks: int) -> LaunchConfig:
-        blocks = _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
+    def _gemv_blocks(rows: int, ks: int) -> int:
+        """Decode's GEMV blocks over `rows` output rows: GEMV_WARPS / ks tiles a block."""
+        return _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
+
+    @staticmethod
+    def _gemv_launch(blocks: int) -> LaunchConfig:
+        """Decode's GEMV launch (dense_gemv_bf16, front_end_gemv): blocks of GEMV_WARPS warps,
+        overlapping the launch before (DECODE_OVERLAP)."""
         return LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), overlap=_overlap())
 
     @staticmethod
@@ -317,7 +323,7 @@ class Glm5NextKdaKernels:
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
-            name, cfg = "dense_gemv_bf16", self._gemv_cfg(n, ks)
+            name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
         else:
             name = "dense_gemv_bf16_batch"
             cfg = self._slab_cfg(self._slab_blocks(n, GEMV_SLAB_TILES_DENSE), m)
@@ -332,14 +338,14 @@ class Glm5NextKdaKernels:
         qkv_rows = c.conv_dim  # q|k|v come first in the packed projection
         early_rows = c.gate_in_rows  # f_a|g_a|b: few tiles, so every share they can use
         ks_early = _gemv_shares(early_rows, c.hidden_size, sm)
-        early_blocks = self._gemv_cfg(early_rows, ks_early).grid[0]
+        early_blocks = self._gemv_blocks(early_rows, ks_early)
         ks_gate = _gemv_shares(2 * c.qkv, c.rank, sm)
-        gate_blocks = self._gemv_cfg(2 * c.qkv, ks_gate).grid[0] + 1  # + beta's
+        gate_blocks = self._gemv_blocks(2 * c.qkv, ks_gate) + 1  # + beta's
         # q|k|v: within one wave with the rest where that leaves 2 shares, else 2 anyway: a
         # second wave of gates cost less than single-share q|k|v tiles (docs/perf-log.md, v6)
         ks = _gemv_shares(qkv_rows, c.hidden_size, sm, (early_blocks + gate_blocks) * GEMV_WARPS,
                           at_least=2)
-        proj_blocks = early_blocks + self._gemv_cfg(qkv_rows, ks).grid[0]
+        proj_blocks = early_blocks + self._gemv_blocks(qkv_rows, ks)
         return proj_blocks + gate_blocks, (i32(ks), i32(ks_early), i32(ks_gate),
                                            i32(early_blocks), i32(proj_blocks))
 
@@ -371,8 +377,7 @@ class Glm5NextKdaKernels:
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         if m <= GEMV_COLUMNS:
             blocks, shares = self._front_end_plan
-            name = "front_end_gemv"
-            cfg = LaunchConfig((blocks, 1, 1), (32 * GEMV_WARPS, 1, 1), overlap=_overlap())
+            name, cfg = "front_end_gemv", self._gemv_launch(blocks)
         else:
             blocks, shares = self._front_end_batch_plan
             name, cfg = "front_end_gemv_batch", self._slab_cfg(blocks, m)
@@ -467,9 +472,7 @@ class Glm5NextKdaKernels:
         walk."""
         c = self.cfg
         self._rows_check("kda_decode_rows", nrows, nsnap)
-        cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
-                           overlap=overlap and _overlap())
-        self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", cfg,
+        self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", self._rows_launch(overlap),
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
@@ -498,9 +501,8 @@ class Glm5NextKdaKernels:
         if nseq < 1:
             raise KdaError(f"kda_decode_batch: need at least one sequence, got {nseq}")
         if self._batch_of_one(nseq, nrows):
-            cfg = LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
-                               overlap=_overlap())  # after the front end (batch_steps)
-            self._launch("recurrent", self.batch_rows_kernel(nseq, nrows), cfg,
+            self._launch("recurrent", self.batch_rows_kernel(nseq, nrows),
+                         self._rows_launch(overlap=True),  # after the front end (batch_steps)
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                           o_norm_w, o_norm_out, slots, i32(nslots), fault, sync,
                           i32(c.num_heads), i32(c.conv_kernel), f32(c.scale),
@@ -516,6 +518,13 @@ class Glm5NextKdaKernels:
                       i32(nslots), fault, sync, i32(nseq), i32(nrows), i32(nsnap),
                       i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
                      stream)
+
+    def _rows_launch(self, overlap: bool) -> LaunchConfig:
+        """kda_decode_rows' launch (and its slot entry's): DECODE_SPLIT blocks a head of 4 D
+        threads, overlapping the launch before where `overlap` and DECODE_OVERLAP allow."""
+        c = self.cfg
+        return LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
+                            overlap=overlap and _overlap())
 
     def batch_rows_kernel(self, nseq: int, nrows: int) -> str:
         """The entry kda_decode_batch launches: decode's own (`kda_decode_rows_slot`) for one

@@ -152,9 +152,12 @@ __device__ __forceinline__ void wait_early(int* sync, int early) {
     __syncthreads();
 }
 
-// beta = sigmoid(b) of M rows, b in gate_in (row stride ldg) after f_a and g_a.
-__device__ __forceinline__ void beta_rows(const bf16* gate_in, float* beta, int M, int H, int ldg,
-                                          int R) {
+// The front end's beta block: once the `early` f_a|g_a|b blocks (or warps) counted in sync[0]
+// are done, beta = sigmoid(b) of M rows, b in gate_in (row stride ldg) after f_a and g_a.
+__device__ __forceinline__ void beta_block(int* sync, int early, const bf16* gate_in,
+                                           float* beta, int M, int H, int ldg, int R) {
+    prior_grid_sync();
+    wait_early(sync, early);
     for (int i = threadIdx.x; i < M * H; i += blockDim.x)
         beta[i] = sigmoidf_(bf2f(__ldcg(gate_in + (u64)(i / H) * ldg + 2 * R + i % H)));
 }
@@ -229,9 +232,7 @@ __device__ __forceinline__ void front_end(
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
-        prior_grid_sync();
-        early_done();
-        beta_rows(f_a, beta, M, H, ldg, R);
+        beta_block(sync, early, f_a, beta, M, H, ldg, R);
     } else {
         // qkv % GEMV_TILE == 0: a tile is all f or all g
         const int n0 = gemv_tile_index(gb, ks_gate) * GEMV_TILE;
@@ -495,9 +496,7 @@ __device__ __forceinline__ void front_end_slab(
     const int gb = blk - proj_blocks, gate_blocks = gridDim.y - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
-        prior_grid_sync();
-        early_done();
-        beta_rows(f_a, beta, M, H, ldg, R);
+        beta_block(sync, early_blocks, f_a, beta, M, H, ldg, R);
     } else {
         // qkv % rows == 0: a block is all f or all g
         const int n0 = gb * rows;
