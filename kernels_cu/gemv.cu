@@ -127,6 +127,8 @@ __device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int 
 // o_proj's weights, rows n0.. of `tiles` tiles of this block, on their way into L2 before the
 // block waits for the stateful walk it follows: they stream while the walk runs (its own
 // traffic at small batches is a fraction of the weights') and the tiles then read them from L2.
+// Only a block that found room beside the walk's starts early: on sm_90a a walk block leaves
+// none, so most blocks prefetch as the walk's blocks end (docs/perf-log.md, v39).
 __device__ __forceinline__ void prefetch_rows(const bf16* W, int N, int K, int n0, int tiles) {
     if (threadIdx.x == 0 && n0 < N)
         prefetch_l2(W + (u64)n0 * K, (unsigned)(min(tiles * GEMV_TILE, N - n0) * K * 2));
