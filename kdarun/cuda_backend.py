@@ -7,6 +7,7 @@ sources compiled by NVRTC for this device. Prefill GEMMs go to cuBLAS on the cal
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import cupy as cp
@@ -19,6 +20,15 @@ from .errors import KdaError, check_int, format_bytes
 _H2D, _D2H, _D2D = 1, 2, 3
 _CUDA_R_16BF, _CUBLAS_COMPUTE_32F, _GEMM_DEFAULT_TENSOR_OP = 14, 68, 99
 _OP_N, _OP_T = 0, 1
+
+
+@dataclass(frozen=True)
+class _ForeignStream:
+    """A raw cudaStream_t handle as the CUDA stream protocol presents one."""
+    handle: int
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
 
 
 class CupyBackend(GpuBackend):
@@ -68,10 +78,14 @@ class CupyBackend(GpuBackend):
         return "sm_90a" if self.has_wgmma else f"sm_{self._cc}"
 
     def stream_obj(self, stream: int):
-        """The CuPy stream object of a raw handle (for graph capture and `with` blocks)."""
+        """The CuPy stream object of a raw handle (for graph capture and `with` blocks): a
+        handle kdarun did not create (an engine's, torch's) is wrapped through the CUDA
+        stream protocol where CuPy has it (14 on; ExternalStream is deprecated there)."""
         s = self._streams.get(int(stream))
         if s is None:
-            s = cp.cuda.ExternalStream(int(stream))
+            from_external = getattr(cp.cuda.Stream, "from_external", None)
+            s = (from_external(_ForeignStream(int(stream))) if from_external is not None
+                 else cp.cuda.ExternalStream(int(stream)))
             self._streams[int(stream)] = s
         return s
 
