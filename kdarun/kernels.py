@@ -51,7 +51,7 @@ GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
 GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
 GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
 GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
-DECODE_SPLIT = 4  # blocks a head in kda_decode_rows, each D / DECODE_SPLIT state rows
+DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
@@ -460,7 +460,7 @@ class Glm5NextKdaKernels:
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
                         snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int,
                         overlap: bool) -> None:
-        """nrows decode tokens of one sequence in order, DECODE_SPLIT blocks per head, one
+        """nrows decode tokens of one sequence in order, `decode_split` blocks per head, one
         launch: for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule
         step on state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place;
         the states after the first nsnap rows go to snap_rec [nsnap, H, Dv, Dk] / snap_conv
@@ -520,11 +520,20 @@ class Glm5NextKdaKernels:
                      stream)
 
     def _rows_launch(self, overlap: bool) -> LaunchConfig:
-        """kda_decode_rows' launch (and its slot entry's): DECODE_SPLIT blocks a head of 4 D
+        """kda_decode_rows' launch (and its slot entry's): `decode_split` blocks a head of 4 D
         threads, overlapping the launch before where `overlap` and DECODE_OVERLAP allow."""
         c = self.cfg
-        return LaunchConfig((c.num_heads, DECODE_SPLIT, 1), (4 * c.head_dim, 1, 1),
+        return LaunchConfig((c.num_heads, self.decode_split, 1), (4 * c.head_dim, 1, 1),
                             overlap=overlap and _overlap())
+
+    @property
+    def decode_split(self) -> int:
+        """Blocks a head of kda_decode_rows: DECODE_SPLIT where H x DECODE_SPLIT blocks run in
+        one wave, half as many where they would not (a block of 4 D threads holds most of an
+        SM's registers: one an SM). A second wave of short blocks costs more than one wave of
+        blocks walking twice the rows (perf-log v40: glm-5.3-flash's 64 heads, 8.3 -> 5.0 us)."""
+        fits = self.cfg.num_heads * DECODE_SPLIT <= self.gpu.sm_count
+        return DECODE_SPLIT if fits else DECODE_SPLIT // 2
 
     def batch_rows_kernel(self, nseq: int, nrows: int) -> str:
         """The entry kda_decode_batch launches: decode's own (`kda_decode_rows_slot`) for one
@@ -540,11 +549,13 @@ class Glm5NextKdaKernels:
 
     def _batch_split(self, nseq: int) -> int:
         """Blocks a (sequence, head) of kda_decode_batch: doubled, up to DECODE_BATCH_MAX_SPLIT,
-        while the launch would not fill the SMs once, so a small batch's state still streams
-        through every SM (a state row's update does not depend on the block that owns it)."""
+        while the launch still runs in one wave, so a small batch's state streams through more
+        SMs (a state row's update does not depend on the block that owns it) and no block waits
+        for a second wave (perf-log v40: kimi-linear-48b B = 8 at split 2, 1.3 waves, against
+        split 1, 20.8 -> 15.7 us)."""
         split = 1
         blocks = self.gpu.sm_count * decode_batch_blocks_per_sm(self.cc)
-        while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split < blocks:
+        while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split * 2 <= blocks:
             split *= 2
         return split
 

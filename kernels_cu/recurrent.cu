@@ -1,7 +1,7 @@
 // Decode tokens of one sequence, fused: conv (+SiLU, +L2 of q and k), the delta-rule step and
-// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). DECODE_SPLIT
-// blocks share a head, each owning D/DECODE_SPLIT rows of its state [Dv, Dk] fp32 (the only large
-// traffic), so the state streams through H x DECODE_SPLIT blocks instead of H; every block computes
+// the gated RMSNorm, for nrows tokens in order (1 for decode, K for decode_k's verify). split
+// blocks share a head, each owning D/split rows of its state [Dv, Dk] fp32 (the only large
+// traffic), so the state streams through H x split blocks instead of H; every block computes
 // the head's q, k and decay itself (they are small). K tokens cost one launch and one read and
 // write of the state instead of K; each token runs the same code, so K rows are bit-identical
 // to K single-row calls. q, k, v enter the step as the bf16 values written to conv_out, so
@@ -264,15 +264,25 @@ __device__ __forceinline__ void decode_rows(
     if (mine_v) conv_store(conv_state, tap, c, conv_dim, W);
 }
 
+// split = gridDim.y: DECODE_SPLIT blocks a head, or half as many where H x DECODE_SPLIT blocks
+// would not run in one wave (a block of 4 D threads takes most of an SM's registers, so one
+// block an SM): a second wave costs more than each block walking twice the rows
+// (`Glm5NextKdaKernels.decode_split`). A row's arithmetic does not depend on its block.
+template <int D, typename... Args>
+__device__ __forceinline__ void decode_rows_split(Args... args) {
+    if (gridDim.y == DECODE_SPLIT) decode_rows<D, DECODE_SPLIT>(args...);
+    else decode_rows<D, DECODE_SPLIT / 2>(args...);
+}
+
 #define KDA_DECODE_ROWS(D)                                                                      \
     extern "C" __global__ void __launch_bounds__(4 * D) kda_decode_rows_d##D(                   \
         const bf16* x, bf16* conv_state, const float* conv_w, bf16* conv_out, const float* gate, \
         const float* beta, float* state, float* core, const bf16* out_gate,                     \
         const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
         int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
-        decode_rows<D, DECODE_SPLIT>(x, conv_state, conv_w, conv_out, gate, beta, state, core,  \
-                                     out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, sync, \
-                                     nrows, nsnap, H, W, scale, eps);                           \
+        decode_rows_split<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core,        \
+                             out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, sync, nrows,  \
+                             nsnap, H, W, scale, eps);                                          \
     }
 // Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
 // slice D / split.. of it (split = gridDim.y, a power of two up to DECODE_BATCH_MAX_SPLIT: small
@@ -537,10 +547,10 @@ __device__ __forceinline__ void decode_batch(
         int* sync, int H, int W, float scale, float eps) {                                      \
         const int slot = checked_slot(__ldcg(slots), nslots, fault, 0, 0); /* the caller's */   \
         if (slot < 0) return prior_grid_sync();                                                 \
-        decode_rows<D, DECODE_SPLIT>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w,    \
-                                     conv_out, gate, beta, rec_pool + (u64)slot * H * D * D,    \
-                                     core, out_gate, o_norm_w, o_norm_out, nullptr, nullptr,    \
-                                     sync, 1, 0, H, W, scale, eps);                             \
+        decode_rows_split<D>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w, conv_out, \
+                             gate, beta, rec_pool + (u64)slot * H * D * D, core, out_gate,      \
+                             o_norm_w, o_norm_out, nullptr, nullptr, sync, 1, 0, H, W, scale,   \
+                             eps);                                                              \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)

@@ -148,6 +148,30 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
 
 
+@pytest.mark.parametrize("sm_count", [108, 132])
+def test_decode_walk_runs_in_one_wave(sm_count):
+    """kda_decode_rows (and its slot entry) takes DECODE_SPLIT blocks a head where H x
+    DECODE_SPLIT blocks fit the SMs once, else half as many: on the H200 (132 SMs)
+    kimi-linear-48b's 32 heads x 4 = 128 blocks, glm-5.3-flash's 64 heads x 2; both splits are
+    built into the one kernel (recurrent.cu's decode_rows_split)."""
+    host = open_backend("host", announce=False)
+
+    class Sized(type(host)):
+        pass
+    Sized.sm_count = sm_count
+    for preset in ("kimi-linear-48b", "glm-5.3-flash"):
+        cfg = synthetic.preset_config(preset)
+        kn = Glm5NextKdaKernels(Sized(), cfg)
+        split = kn.decode_split
+        assert split in (kernels.DECODE_SPLIT, kernels.DECODE_SPLIT // 2)
+        fits = cfg.num_heads * kernels.DECODE_SPLIT <= sm_count
+        assert split == (kernels.DECODE_SPLIT if fits else kernels.DECODE_SPLIT // 2), preset
+        grid = kn._rows_launch(overlap=False).grid
+        assert grid == (cfg.num_heads, split, 1)
+        if sm_count == 132:  # the measured case (perf-log v40)
+            assert split == {"kimi-linear-48b": 4, "glm-5.3-flash": 2}[preset]
+
+
 @pytest.mark.parametrize("single, batch", [(1, 0), (0, 1), (0, 0)])
 def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to

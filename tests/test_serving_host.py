@@ -57,9 +57,9 @@ def test_front_end_batch_plan_covers_every_row(preset):
 
 @pytest.mark.parametrize("cc", [80, 90])
 @pytest.mark.parametrize("sm_count", [1, 16, 132])
-def test_batch_split_fills_the_gpu_once(sm_count, cc):
+def test_batch_split_runs_in_one_wave(sm_count, cc):
     """kda_decode_batch splits a head over a power of two of blocks, at most
-    DECODE_BATCH_MAX_SPLIT, the fewest that fill the SMs once (1 for large batches), as many
+    DECODE_BATCH_MAX_SPLIT, the most that still run in one wave (1 for large batches), as many
     blocks an SM as the build in use holds (use_build: three where it stages rows by bulk
     copies, two where registers hold them)."""
     cfg = synthetic.preset_config("kimi-linear-48b")
@@ -78,8 +78,10 @@ def test_batch_split_fills_the_gpu_once(sm_count, cc):
     for nseq in (1, 2, 3, 8, 64, 256):
         split = kn._batch_split(nseq)
         assert split & (split - 1) == 0 and split <= kernels.DECODE_BATCH_MAX_SPLIT
-        assert split == kernels.DECODE_BATCH_MAX_SPLIT or nseq * cfg.num_heads * split >= full
-        assert split == 1 or nseq * cfg.num_heads * split // 2 < full
+        assert split == kernels.DECODE_BATCH_MAX_SPLIT or nseq * cfg.num_heads * split * 2 > full
+        assert split == 1 or nseq * cfg.num_heads * split <= full
+    if sm_count == 132 and cc == 90:  # the H200: kimi-linear-48b's measured case (perf-log v40)
+        assert [kn._batch_split(n) for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
 
 
 def test_graph_replay_with_new_slot_table_equals_eager(env):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdarun import reference
+from kdarun import kernels, reference
+from kdarun.kernels import Glm5NextKdaKernels
 from kdarun.run import random_hidden
 
 from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, assert_decode_k_matches_serial,
@@ -82,6 +83,31 @@ def test_decode_chain_64_steps(pair):
     Rs, Cs = st.download()
     assert rel(Rs, ref.recurrent_state) < STATE_TOL
     assert rel(Cs, ref.conv_state) < BF16_OUT_TOL
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_decode_split_does_not_change_bits(pair, monkeypatch, K):
+    """kda_decode_rows at DECODE_SPLIT blocks a head and at half as many (the form a GPU with
+    fewer SMs than H x DECODE_SPLIT takes): the same outputs and states, bit for bit, and the
+    launch takes the split asked for."""
+    cu, _ = pair
+    R, C = cu.warm_state(seed=170 + K)
+    h = cu.gpu.upload(random_hidden(K, cu.cfg.hidden_size, seed=171 + K))
+    grids, launch = [], cu.gpu.launch
+    monkeypatch.setattr(cu.gpu, "launch", lambda module, kernel, cfg, *rest: (
+        grids.append(cfg.grid) if kernel.startswith("kda_decode_rows") else None,
+        launch(module, kernel, cfg, *rest)))
+    got = []
+    for split in (kernels.DECODE_SPLIT, kernels.DECODE_SPLIT // 2):
+        monkeypatch.setattr(Glm5NextKdaKernels, "decode_split", property(lambda self: split))
+        st = cu.state(R, C)
+        cu.ws.poison(0)
+        cu.layer.decode_k(cu.gpu, h, K, st, cu.ws, [], 0)
+        got.append([cu.ws.read("final_out", K)] + list(st.download()))
+    assert [g[1] for g in grids] == [kernels.DECODE_SPLIT, kernels.DECODE_SPLIT // 2]
+    for a, b in zip(*got):
+        assert np.array_equal(bits(a), bits(b))
+    cu.gpu.free(h)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])
