@@ -282,6 +282,7 @@ __device__ __forceinline__ void decode_rows(
 // (`Glm5NextKdaKernels.decode_split`). A row's arithmetic does not depend on its block.
 template <int D, typename... Args>
 __device__ __forceinline__ void decode_rows_split(Args... args) {
+    static_assert(DECODE_SPLIT % 2 == 0, "DECODE_SPLIT and its half both split a head");
     if (gridDim.y == DECODE_SPLIT) decode_rows<D, DECODE_SPLIT>(args...);
     else decode_rows<D, DECODE_SPLIT / 2>(args...);
 }
