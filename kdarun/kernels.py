@@ -61,7 +61,6 @@ NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: o
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
 BATCH_OVERLAP = 0  # the same for the batch kernels: 1 measured slower at B = 64 (perf-log v36)
 DECODE_L2_PREFETCH = 16 << 20  # most bytes of o_proj's weights decode's walk sends into L2
-DECODE_L2_PREFETCH_AT = 0  # where the walk sends them: 0 after its state loads, 1 after its steps
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
@@ -132,7 +131,6 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
               "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
               "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
-              "DECODE_L2_PREFETCH_AT": DECODE_L2_PREFETCH_AT,
               "DECODE_BATCH_BLOCKS_PER_SM": decode_batch_blocks_per_sm(cc),
               "DECODE_BATCH_BULK": int(decode_batch_bulk(cc)),
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,

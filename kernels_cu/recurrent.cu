@@ -191,7 +191,7 @@ __device__ __forceinline__ void decode_rows(
     float wt[MAX_CONV_KERNEL];
     if (p < 2 || mine_v) conv_load(tap, wt, conv_state, conv_w, c, conv_dim, W);
     prior_grid_sync();
-    if (DECODE_L2_PREFETCH_AT == 0) prefetch_share(next_w, next_bytes);  // behind the state's loads
+    prefetch_share(next_w, next_bytes);  // behind the state's loads (before them it delayed them)
     // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
     // finish needs them), warp `row` for token row `row`, lane dims E lane.. (gated_rms's order).
     float og[E], nw[E];
@@ -251,7 +251,6 @@ __device__ __forceinline__ void decode_rows(
     // finish (a counter per head, left at zero again) normalises every row, one warp a row, so
     // K rows pay one fence and one atomic, not K. It also stores the q/k conv state, which
     // every block read at its start.
-    if (DECODE_L2_PREFETCH_AT == 1) prefetch_share(next_w, next_bytes);  // after the steps
     __threadfence();
     __syncthreads();
     if (tid == 0) last = atomicAdd(&sync[h], 1) == SPLIT - 1;
