@@ -24,7 +24,7 @@ from .errors import KdaError, check_int
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
-from .weights import Glm5NextKdaWeights, tensor_nbytes
+from .weights import Glm5NextKdaWeights
 from .workspace import SPEC, Glm5NextKdaWorkspace
 
 
@@ -230,8 +230,7 @@ class Glm5NextKdaLayer:
                         ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
                         ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
                         ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"),
-                        ws.ptr("decode_sync"), n, nsnap, after_front_end, self.weights.o_proj,
-                        tensor_nbytes(c, "o_proj")))
+                        ws.ptr("decode_sync"), n, nsnap, after_front_end, self.weights.o_proj))
 
     def _o_proj_step(self, t: int, ws: Glm5NextKdaWorkspace) -> Step:
         c = self.cfg
@@ -321,7 +320,7 @@ class Glm5NextKdaLayer:
                          s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,
                          pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, slots,
                          snapshot_slots, pool.slots, pool.faults, ws.ptr("decode_sync"), b, k,
-                         w.o_proj, tensor_nbytes(c, "o_proj"))),
+                         w.o_proj)),
                 self._o_proj_step(rows, ws)]
 
     def check_batch(self, gpu: GpuBackend, what: str, b: int, k: int, slots: DevicePtr,
