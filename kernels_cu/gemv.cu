@@ -124,22 +124,14 @@ __device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int 
     }
 }
 
-// o_proj's weights, rows n0.. of `tiles` tiles of this block, on their way into L2 before the
-// block waits for the stateful walk it follows: they stream while the walk runs (its own
-// traffic at small batches is a fraction of the weights') and the tiles then read them from L2.
-// Only a block that found room beside the walk's starts early: on sm_90a a walk block leaves
-// none, so most blocks prefetch as the walk's blocks end (docs/perf-log.md, v39).
-__device__ __forceinline__ void prefetch_rows(const bf16* W, int N, int K, int n0, int tiles) {
-    if (threadIdx.x == 0 && n0 < N)
-        prefetch_l2(W + (u64)n0 * K, (unsigned)(min(tiles * GEMV_TILE, N - n0) * K * 2));
-}
-
-// y[m, n] = bf16(W[n] . x[m]): the o_proj of decode.
+// y[m, n] = bf16(W[n] . x[m]): the o_proj of decode. Its blocks send none of their rows into
+// L2 ahead of their copies: the walk before it sends the first DECODE_L2_PREFETCH bytes, and
+// every block sending all its rows as it started (67 MB at glm-5.3-flash, more than L2 holds)
+// evicted lines before they were read, 4 us slower (docs/perf-log.md, v43).
 __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
     const int n0 = gemv_tile_index(blockIdx.x, ks) * GEMV_TILE;
-    prefetch_rows(W, N, K, blockIdx.x * (GEMV_WARPS / ks) * GEMV_TILE, GEMV_WARPS / ks);
     float out[4];
     if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
