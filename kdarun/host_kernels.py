@@ -184,9 +184,8 @@ def _state_bytes(H, D, W):
 
 def _kda_decode_rows(D):
     def run(gpu, x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate, o_norm_w,
-            o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps, next_w,
-            next_bytes):
-        # sync: the CUDA blocks' per-head counter, next_w: an L2 prefetch; the host needs neither
+            o_norm_out, snap_rec, snap_conv, sync, nrows, nsnap, H, W, scale, eps):
+        # sync: the CUDA blocks' per-head counter; one host pass needs none
         rec, cst = _state_bytes(H, D, W)
         _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state, core,
                          out_gate, o_norm_w, o_norm_out,
@@ -229,7 +228,7 @@ def _kda_decode_batch(D):
 
 def _kda_decode_rows_slot(D):
     def run(gpu, x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate, o_norm_w,
-            o_norm_out, slots, nslots, fault, sync, H, W, scale, eps, next_w, next_bytes):
+            o_norm_out, slots, nslots, fault, sync, H, W, scale, eps):
         slot = _checked_slot(gpu, gpu.view(slots, 1, np.int32)[0], nslots, fault, 0, 0)
         if slot >= 0:
             rec, cst = _state_bytes(H, D, W)

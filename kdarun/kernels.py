@@ -18,7 +18,6 @@ from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_F
                      Glm5NextKdaConfig)
 from .dtypes import BF16, F32
 from .errors import KdaError
-from .weights import tensor_nbytes
 
 FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm", "reduce")
 
@@ -61,7 +60,6 @@ PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a ch
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
 BATCH_OVERLAP = 0  # the same for the batch kernels: 1 measured slower at B = 64 (perf-log v36)
-DECODE_L2_PREFETCH = 16 << 20  # most bytes of o_proj's weights decode's walk sends into L2
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
@@ -209,12 +207,6 @@ def _overlap(batch: bool = False) -> bool:
     return bool(BATCH_OVERLAP if batch else DECODE_OVERLAP)
 
 
-def _prefetch_bytes(nbytes: int) -> int:
-    """The bytes of o_proj's weights (nbytes) a walk sends into L2: up to DECODE_L2_PREFETCH
-    (read at each launch, so tools/sweep.py can set it), whole 16-byte units."""
-    return min(nbytes, DECODE_L2_PREFETCH) // 16 * 16
-
-
 def _cfg1d(n: int) -> LaunchConfig:
     return LaunchConfig((_blocks(n), 1, 1), (THREADS, 1, 1))
 
@@ -258,7 +250,6 @@ class Glm5NextKdaKernels:
         self.cfg = cfg
         self.core = core_path(gpu, core)
         self.walk_rows = walk_rows(gpu, cfg, self.core)  # state rows a block of the walk
-        self._o_proj_bytes = tensor_nbytes(cfg, "o_proj")  # what decode's walk prefetches
         self.use_build(gpu.compute_capability)
 
     def use_build(self, cc: int) -> None:
@@ -468,7 +459,7 @@ class Glm5NextKdaKernels:
                         state: DevicePtr, core: DevicePtr, out_gate: DevicePtr,
                         o_norm_w: DevicePtr, o_norm_out: DevicePtr, snap_rec: DevicePtr,
                         snap_conv: DevicePtr, sync: DevicePtr, nrows: int, nsnap: int,
-                        overlap: bool, o_proj_w: DevicePtr) -> None:
+                        overlap: bool) -> None:
         """nrows decode tokens of one sequence in order, `decode_split` blocks per head, one
         launch: for each, conv over the carried conv state + SiLU + L2 of q/k, the delta-rule
         step on state [H, Dv, Dk] fp32 and the gated RMSNorm. Both states are updated in place;
@@ -478,23 +469,21 @@ class Glm5NextKdaKernels:
         core, out_gate, o_norm_out) advance a row a token. `overlap`: the launch may overlap
         the kernel before it (DECODE_OVERLAP permitting), which it reads its states ahead of:
         only where that kernel writes neither state (decode's front end), never after another
-        walk. `o_proj_w`: o_proj's weights, the next launch's, whose first DECODE_L2_PREFETCH
-        bytes the walk's blocks send into L2 once their state loads are out."""
+        walk."""
         c = self.cfg
         self._rows_check("kda_decode_rows", nrows, nsnap)
         self._launch("recurrent", f"kda_decode_rows_d{c.head_dim}", self._rows_launch(overlap),
                      (x, conv_state, conv_w, conv_out, gate, beta, state, core, out_gate,
                       o_norm_w, o_norm_out, snap_rec, snap_conv, sync, i32(nrows), i32(nsnap),
-                      i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps),
-                      o_proj_w, i32(_prefetch_bytes(self._o_proj_bytes))), stream)
+                      i32(c.num_heads), i32(c.conv_kernel), f32(c.scale), f32(c.rms_norm_eps)),
+                     stream)
 
     def kda_decode_batch(self, stream: int, x: DevicePtr, conv_pool: DevicePtr,
                          conv_w: DevicePtr, conv_out: DevicePtr, gate: DevicePtr,
                          beta: DevicePtr, rec_pool: DevicePtr, core: DevicePtr,
                          out_gate: DevicePtr, o_norm_w: DevicePtr, o_norm_out: DevicePtr,
                          slots: DevicePtr, snap_slots: DevicePtr | None, nslots: int,
-                         fault: DevicePtr, sync: DevicePtr, nseq: int, nrows: int,
-                         o_proj_w: DevicePtr) -> None:
+                         fault: DevicePtr, sync: DevicePtr, nseq: int, nrows: int) -> None:
         """kda_decode_rows for nseq sequences of nrows rows each, one launch, the row buffers
         holding them one after the other: sequence b's states are slot slots[b] (int32 [nseq]
         on the device) of the pools rec_pool [nslots, H, Dv, Dk] fp32 and conv_pool [nslots,
@@ -505,8 +494,7 @@ class Glm5NextKdaKernels:
         entry, left zero. Each row takes
         kda_decode_rows' arithmetic, so a sequence's bits do not depend on its batch; a small
         batch splits each head's state rows over more blocks (`_batch_split`). One sequence of
-        one row takes decode's own launch at its slot (`batch_rows_kernel`), which sends
-        o_proj_w's first bytes into L2 as kda_decode_rows does."""
+        one row takes decode's own launch at its slot (`batch_rows_kernel`)."""
         c = self.cfg
         nsnap = nrows - 1 if snap_slots is not None else 0
         self._rows_check("kda_decode_batch", nrows, nsnap)
@@ -518,8 +506,7 @@ class Glm5NextKdaKernels:
                          (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                           o_norm_w, o_norm_out, slots, i32(nslots), fault, sync,
                           i32(c.num_heads), i32(c.conv_kernel), f32(c.scale),
-                          f32(c.rms_norm_eps), o_proj_w,
-                          i32(_prefetch_bytes(self._o_proj_bytes))), stream)
+                          f32(c.rms_norm_eps)), stream)
             return
         split = self._batch_split(nseq)
         smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)

@@ -230,7 +230,7 @@ class Glm5NextKdaLayer:
                         ws.beta + row * c.num_heads * F32.itemsize, state.recurrent,
                         ws.core + row * f, ws.out_gate + row * hd, self.weights.o_norm,
                         ws.o_norm_out + row * hd, ws.ptr("snap_rec"), ws.ptr("snap_conv"),
-                        ws.ptr("decode_sync"), n, nsnap, after_front_end, self.weights.o_proj))
+                        ws.ptr("decode_sync"), n, nsnap, after_front_end))
 
     def _o_proj_step(self, t: int, ws: Glm5NextKdaWorkspace) -> Step:
         c = self.cfg
@@ -319,8 +319,7 @@ class Glm5NextKdaLayer:
                      lambda s: self.kernels.kda_decode_batch(
                          s, ws.qkv_proj, pool.conv, w.conv_w, ws.conv_out, ws.gate, ws.beta,
                          pool.recurrent, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out, slots,
-                         snapshot_slots, pool.slots, pool.faults, ws.ptr("decode_sync"), b, k,
-                         w.o_proj)),
+                         snapshot_slots, pool.slots, pool.faults, ws.ptr("decode_sync"), b, k)),
                 self._o_proj_step(rows, ws)]
 
     def check_batch(self, gpu: GpuBackend, what: str, b: int, k: int, slots: DevicePtr,

@@ -29,15 +29,9 @@ def device_layout(cfg: Glm5NextKdaConfig) -> dict[str, tuple[tuple[int, ...], np
             "o_norm": ((cfg.head_dim,), F32), "o_proj": ((cfg.hidden_size, cfg.qkv), BF16)}
 
 
-def tensor_nbytes(cfg: Glm5NextKdaConfig, name: str) -> int:
-    """Device bytes of one tensor of `device_layout`."""
-    shape, dtype = device_layout(cfg)[name]
-    return int(np.prod(shape)) * dtype.itemsize
-
-
 def weights_nbytes(cfg: Glm5NextKdaConfig) -> int:
     """Device bytes of one layer's weights."""
-    return sum(tensor_nbytes(cfg, name) for name in device_layout(cfg))
+    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in device_layout(cfg).values())
 
 
 @dataclass(repr=False)

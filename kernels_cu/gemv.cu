@@ -124,10 +124,10 @@ __device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int 
     }
 }
 
-// y[m, n] = bf16(W[n] . x[m]): the o_proj of decode. Its blocks send none of their rows into
-// L2 ahead of their copies: the walk before it sends the first DECODE_L2_PREFETCH bytes, and
-// every block sending all its rows as it started (67 MB at glm-5.3-flash, more than L2 holds)
-// evicted lines before they were read, 4 us slower (docs/perf-log.md, v43).
+// y[m, n] = bf16(W[n] . x[m]): the o_proj of decode. Nothing sends its weights into L2 ahead of
+// its copies: every block sending all its rows as it started (67 MB at glm-5.3-flash, more than
+// L2 holds) evicted lines before they were read, 4 us slower, and the walk ahead of it sending
+// the first 16 MB delayed the walk more than it saved (docs/perf-log.md, v43).
 __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {

@@ -143,17 +143,6 @@ __device__ __forceinline__ float delta_row(float (&s)[ROW_E], const float (&gv)[
     return group_sum<L>(o);
 }
 
-// This block's share of the next launch's weights (o_proj's: `bytes` from w, a multiple of 16;
-// 0: none) on their way into L2 as the walk starts. The walk moves little (its state) while
-// o_proj's blocks cannot start beside it (registers, docs/perf-log.md v39), so the weights
-// stream in DRAM time the walk leaves idle, and o_proj then reads them from L2.
-__device__ __forceinline__ void prefetch_share(const bf16* w, int bytes) {
-    const int blocks = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
-    const int share = (bytes / blocks + 15) & ~15, start = b * share;
-    if (threadIdx.x == 0 && start < bytes)
-        prefetch_l2(reinterpret_cast<const char*>(w) + start, (unsigned)min(share, bytes - start));
-}
-
 // decode's one sequence, snapshot r at index r. SPLIT blocks share a head.
 
 template <int D, int SPLIT>
@@ -163,7 +152,7 @@ __device__ __forceinline__ void decode_rows(
     float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
     const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
     float* __restrict__ snap_rec, bf16* __restrict__ snap_conv, int* __restrict__ sync,
-    int nrows, int nsnap, int H, int W, float scale, float eps, const bf16* next_w, int next_bytes) {
+    int nrows, int nsnap, int H, int W, float scale, float eps) {
     constexpr int E = D / 32, NW = 4 * D / 32;  // blockDim.x == 4 * D: q, k, v, gate roles
     constexpr int ROWS = D / SPLIT, RW = ROWS / ROWS_PER_WARP;  // this block's state rows, warps
     constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PW = ROWS_PER_WARP / P;  // PW: steps
@@ -191,7 +180,6 @@ __device__ __forceinline__ void decode_rows(
     float wt[MAX_CONV_KERNEL];
     if (p < 2 || mine_v) conv_load(tap, wt, conv_state, conv_w, c, conv_dim, W);
     prior_grid_sync();
-    prefetch_share(next_w, next_bytes);  // behind the state's loads (before them it delayed them)
     // What the gated RMSNorm reads besides the core: loaded now by every block (the last to
     // finish needs them), warp `row` for token row `row`, lane dims E lane.. (gated_rms's order).
     float og[E], nw[E];
@@ -292,11 +280,10 @@ __device__ __forceinline__ void decode_rows_split(Args... args) {
         const bf16* x, bf16* conv_state, const float* conv_w, bf16* conv_out, const float* gate, \
         const float* beta, float* state, float* core, const bf16* out_gate,                     \
         const float* o_norm_w, bf16* o_norm_out, float* snap_rec, bf16* snap_conv, int* sync,   \
-        int nrows, int nsnap, int H, int W, float scale, float eps, const bf16* next_w,       \
-        int next_bytes) {                                                                       \
+        int nrows, int nsnap, int H, int W, float scale, float eps) {                           \
         decode_rows_split<D>(x, conv_state, conv_w, conv_out, gate, beta, state, core,        \
                              out_gate, o_norm_w, o_norm_out, snap_rec, snap_conv, sync, nrows,  \
-                             nsnap, H, W, scale, eps, next_w, next_bytes);                      \
+                             nsnap, H, W, scale, eps);                                          \
     }
 // Many sequences a launch: block (h, slice, b) runs head h of a sequence, state rows
 // slice D / split.. of it (split = gridDim.y, a power of two up to DECODE_BATCH_MAX_SPLIT: small
@@ -558,13 +545,13 @@ __device__ __forceinline__ void decode_batch(
         const bf16* x, bf16* conv_pool, const float* conv_w, bf16* conv_out, const float* gate,  \
         const float* beta, float* rec_pool, float* core, const bf16* out_gate,                  \
         const float* o_norm_w, bf16* o_norm_out, const int* slots, int nslots, int* fault,      \
-        int* sync, int H, int W, float scale, float eps, const bf16* next_w, int next_bytes) {  \
+        int* sync, int H, int W, float scale, float eps) {                                      \
         const int slot = checked_slot(__ldcg(slots), nslots, fault, 0, 0); /* the caller's */   \
         if (slot < 0) return prior_grid_sync();                                                 \
         decode_rows_split<D>(x, conv_pool + (u64)slot * (W - 1) * 3 * H * D, conv_w, conv_out, \
                              gate, beta, rec_pool + (u64)slot * H * D * D, core, out_gate,      \
                              o_norm_w, o_norm_out, nullptr, nullptr, sync, 1, 0, H, W, scale,   \
-                             eps, next_w, next_bytes);                                          \
+                             eps);                                                              \
     }
 KDA_DECODE_ROWS(64)
 KDA_DECODE_ROWS(128)
