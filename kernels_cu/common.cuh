@@ -106,11 +106,3 @@ __device__ __forceinline__ void prior_grid_sync() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-
-// Starts `bytes` (a multiple of 16) from src on their way into L2, so a later read finds them
-// there (sm_90 on; nothing below).
-__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
