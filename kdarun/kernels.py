@@ -41,8 +41,8 @@ THREADS = 256  # the element-wise kernels', the prefill conv's and kda_chunk_int
 GEMV_TILE = 16  # output rows a GEMV warp's tile: the MMA's M
 GEMV_WARPS = 8  # warps a GEMV block, each a tile or a share of one tile's K
 GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
-GEMV_STAGES = 2  # stages a GEMV warp keeps in flight
-GEMV_BLOCKS_PER_SM = 3  # GEMV blocks an SM holds (their __launch_bounds__)
+GEMV_STAGES = 3  # stages a GEMV warp keeps in flight where they fit (gemv_stages)
+GEMV_BLOCKS_PER_SM = 2  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
 BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
@@ -79,6 +79,14 @@ def front_sync_words(rows: int) -> int:
     """front_end_gemv's int32 sync words for up to `rows` token rows: a pair a slab of
     BATCH_SLAB_ROWS (early tiles done, gate blocks done)."""
     return 2 * _blocks(max(rows, 1), BATCH_SLAB_ROWS)
+
+
+def gemv_stages(cc: int) -> int:
+    """Stages a decode GEMV warp keeps in flight on compute capability `cc`: GEMV_STAGES where a
+    block's rings and its share sums (gemv_part: a float4 a lane) fit its shared memory, else
+    two (the 99 KB GPUs)."""
+    stage = GEMV_WARPS * GEMV_TILE * GEMV_STAGE_K * BF16.itemsize
+    return GEMV_STAGES if GEMV_STAGES * stage + GEMV_WARPS * 32 * 16 <= smem_per_block(cc) else 2
 
 
 def decode_batch_bulk(cc: int) -> bool:
@@ -124,7 +132,7 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
     values = {"CHUNK": CHUNK, "MAX_DECODE_ROWS": MAX_DECODE_ROWS,
               "MAX_CONV_KERNEL": MAX_CONV_KERNEL, "L2_NORM_EPS": f"{L2_NORM_EPS!r}f",
               "THREADS": THREADS, "GEMV_TILE": GEMV_TILE, "GEMV_WARPS": GEMV_WARPS,
-              "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": GEMV_STAGES,
+              "GEMV_STAGE_K": GEMV_STAGE_K, "GEMV_STAGES": gemv_stages(cc),
               "GEMV_BLOCKS_PER_SM": GEMV_BLOCKS_PER_SM, "GEMV_BATCH_GROUPS": GEMV_BATCH_GROUPS,
               "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM,
               "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,

@@ -60,14 +60,19 @@ def applied(variants: list[dict[str, int]], module) -> Iterator[dict[str, int]]:
     """Each variant in turn with its constants set on `module`; the values it had before are
     put back after the last, or when the loop over them stops early."""
     saved = {name: getattr(module, name) for name in variants[0]}
+    caches = [f for f in vars(module).values() if callable(getattr(f, "cache_clear", None))]
     try:
         for variant in variants:
             for name, value in variant.items():
                 setattr(module, name, value)
+            for f in caches:  # e.g. _gemv_shares, which reads GEMV_BLOCKS_PER_SM
+                f.cache_clear()
             yield variant
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+        for f in caches:
+            f.cache_clear()
 
 
 def main() -> int:
