@@ -3,6 +3,7 @@ tree A/B's export, flattening and table, the intra kernel's phase marks, the swe
 variants, gpu_check's modes, budget and tree id, and the timeline's launches."""
 
 import argparse
+import functools
 import importlib.util
 import re
 import shutil
@@ -254,10 +255,14 @@ def test_timeline_refuses_replays_it_cannot_line_up():
 
 
 def test_sweep_applies_each_variant_and_puts_the_built_values_back():
+    """Each variant's constants are set, and the module's cached functions (kernels.py's
+    _gemv_shares reads GEMV_BLOCKS_PER_SM) answer from them, not from an earlier variant."""
     sweep = _tool("sweep")
     mod = argparse.Namespace(A=1, B=2)
-    seen = [(mod.A, mod.B) for _ in sweep.applied([{"A": 5}, {"A": 6}], mod)]
-    assert seen == [(5, 2), (6, 2)] and (mod.A, mod.B) == (1, 2)
+    mod.cached = functools.cache(lambda: mod.A)
+    assert mod.cached() == 1
+    seen = [(mod.A, mod.B, mod.cached()) for _ in sweep.applied([{"A": 5}, {"A": 6}], mod)]
+    assert seen == [(5, 2, 5), (6, 2, 6)] and (mod.A, mod.B, mod.cached()) == (1, 2, 1)
     with pytest.raises(RuntimeError):  # a loop that stops early puts them back too
         for _ in sweep.applied([{"B": 7}, {"B": 8}], mod):
             raise RuntimeError
