@@ -82,11 +82,13 @@ def front_sync_words(rows: int) -> int:
 
 
 def gemv_stages(cc: int) -> int:
-    """Stages a decode GEMV warp keeps in flight on compute capability `cc`: GEMV_STAGES where a
-    block's rings and its share sums (gemv_part: a float4 a lane) fit its shared memory, else
-    two (the 99 KB GPUs)."""
+    """Stages a decode GEMV warp keeps in flight on compute capability `cc`: GEMV_STAGES where
+    GEMV_BLOCKS_PER_SM blocks' rings and share sums (gemv_part: a float4 a lane) fit the shared
+    memory (a block's limit standing for the SM's, 1 KB less), else two: three on sm_90 and
+    sm_100, two on sm_80 (where three would leave one block an SM) and the 99 KB GPUs."""
     stage = GEMV_WARPS * GEMV_TILE * GEMV_STAGE_K * BF16.itemsize
-    return GEMV_STAGES if GEMV_STAGES * stage + GEMV_WARPS * 32 * 16 <= smem_per_block(cc) else 2
+    block = GEMV_STAGES * stage + GEMV_WARPS * 32 * 16
+    return GEMV_STAGES if GEMV_BLOCKS_PER_SM * block <= smem_per_block(cc) else 2
 
 
 def decode_batch_bulk(cc: int) -> bool:
