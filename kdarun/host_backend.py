@@ -172,9 +172,13 @@ class HostBackend(GpuBackend):
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:
+        # a row at a time, each from a fresh contiguous copy: a BLAS matrix product may sum a
+        # row in an order that depends on the rows beside it (OpenBLAS 0.3.31's does), and a
+        # row's bits must not depend on its batch (packed prefill against each prefill)
         av, cv = self.rows(a, m, lda, k, BF16), self.rows(c, m, ldc, n, BF16)
-        wv = self.view(w, (n, k), BF16)
-        cv[...] = (av.astype(F32) @ wv.astype(F32).T).astype(BF16)
+        wv = self.view(w, (n, k), BF16).astype(F32)
+        for r in range(int(m)):
+            cv[r] = (wv @ np.array(av[r], dtype=F32)).astype(BF16)
 
 
 class _HostGraph:
