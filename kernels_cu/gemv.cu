@@ -9,7 +9,7 @@
 // the MMA's columns, so K rows cost the same instructions as one. The k order, the MMA chains and the sum over shares are
 // fixed and an output column depends on no other column: decode_k is bit-identical to K
 // decodes.
-#include "gate.cuh"
+#include "front_end.cuh"
 
 
 // This warp's tile in a launch's run of blocks from block 0: GEMV_WARPS / ks tiles of ks warps
@@ -17,10 +17,6 @@
 __device__ __forceinline__ int gemv_tile_index(int block, int ks) {
     return block * (GEMV_WARPS / ks) + (threadIdx.x >> 5) / ks;
 }
-
-struct NoWait {
-    __device__ void operator()() const {}
-};
 
 // The warps' rings, the GEMV kernels' dynamic shared memory.
 constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
@@ -137,46 +133,6 @@ __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf1
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
-// The gate blocks' wait: until `early` f_a|g_a|b blocks (or warps) counted themselves done.
-__device__ __forceinline__ void wait_early(int* sync, int early) {
-    if (threadIdx.x == 0) {
-        while (*reinterpret_cast<volatile int*>(&sync[0]) < early) __nanosleep(64);
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// The front end's beta block: once the `early` f_a|g_a|b blocks (or warps) counted in sync[0]
-// are done, beta = sigmoid(b) of M rows, b in gate_in (row stride ldg) after f_a and g_a.
-__device__ __forceinline__ void beta_block(int* sync, int early, const bf16* gate_in,
-                                           float* beta, int M, int H, int ldg, int R) {
-    prior_grid_sync();
-    wait_early(sync, early);
-    for (int i = threadIdx.x; i < M * H; i += blockDim.x)
-        beta[i] = sigmoidf_(bf2f(__ldcg(gate_in + (u64)(i / H) * ldg + 2 * R + i % H)));
-}
-
-// A gate output: f_b's to g_raw and, from the rounded value, the forget gate; g_b's to out_gate.
-__device__ __forceinline__ void gate_store(bool is_f, bf16* g_raw, float* gate, bf16* out_gate,
-                                           const float* a_log, const float* dt_bias, int qkv,
-                                           int D, float lower_bound, int bounded, int c, int m,
-                                           float v) {
-    const bf16 r = f2bf(v);
-    if (is_f) {
-        g_raw[(u64)m * qkv + c] = r;
-        gate[(u64)m * qkv + c] = kda_gate_value(bf2f(r) + dt_bias[c], expf(a_log[c / D]),
-                                                lower_bound, bounded);
-    } else {
-        out_gate[(u64)m * qkv + c] = r;
-    }
-}
-
-// The last gate block to finish (sync[1] counts them) zeroes both counters for the next call.
-__device__ __forceinline__ void gates_done(int* sync, int gate_blocks) {
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1) == gate_blocks - 1) sync[0] = sync[1] = 0;
-}
-
 // Decode's whole front end in one launch: the packed projection q|k|v|f_a|g_a|b (q|k|v to
 // qkv_proj [M, 3*qkv] and qkv_parts [3, P, qkv] rows 0..M-1 of each part, f_a|g_a|b to
 // gate_in [M, ldg]), then from f_a and g_a the low-rank gates (g_raw with the forget gate
@@ -207,13 +163,7 @@ __device__ __forceinline__ void front_end(
         float out[4];
         if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
-            const bf16 r = f2bf(v);
-            if (n < 3 * qkv) {
-                qkv_proj[(u64)m * 3 * qkv + n] = r;
-                qkv_parts[((u64)(n / qkv) * P + m) * qkv + n % qkv] = r;
-            } else {
-                gate_in[(u64)m * ldg + n - 3 * qkv] = r;  // what the gate blocks read
-            }
+            proj_store(qkv_proj, qkv_parts, gate_in, qkv, P, ldg, n, m, v);
         });
         if (is_early) {
             __threadfence();
@@ -471,13 +421,7 @@ __device__ __forceinline__ void front_end_slab(
         float out[TB][4];
         if (gemv_slab<TB>(W, n_end, K, x, M, K, n0, is_early ? ks_early : ks, out))
             slab_outputs(out, n0, n_end, M, [&](int n, int m, float v) {
-                const bf16 r = f2bf(v);
-                if (n < 3 * qkv) {
-                    qkv_proj[(u64)m * 3 * qkv + n] = r;
-                    qkv_parts[((u64)(n / qkv) * P + m) * qkv + n % qkv] = r;
-                } else {
-                    gate_in[(u64)m * ldg + n - 3 * qkv] = r;  // what the gate blocks read
-                }
+                proj_store(qkv_proj, qkv_parts, gate_in, qkv, P, ldg, n, m, v);
             });
         if (is_early) {
             __threadfence();
