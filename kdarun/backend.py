@@ -117,6 +117,31 @@ def kernels_dir() -> Path:
     raise KdaError(f"kernel sources not found next to {here} (looked for kernels_cu/)")
 
 
+@dataclass(frozen=True)
+class TensorMap:
+    """The bf16 matrix [rows, cols] at `ptr` (row stride `ld` elements) as the kernels of
+    gemv_wg.cu take it, by value, copied in boxes of `box` x `box`: on CUDA `encoded` holds
+    the CUtensorMap the driver made of it (`driver.encode_tensor_map`); the host backend's
+    twins read the matrix through `ptr`."""
+    ptr: DevicePtr
+    rows: int
+    cols: int
+    ld: int
+    box: int
+    encoded: bytes = b""
+
+
+def check_tensor_map(kernel: str, m: TensorMap) -> None:
+    """What a tensor map's matrix must satisfy (cuda.h: a 16-byte aligned base, row strides a
+    multiple of 16 bytes), as a KdaError naming `kernel`."""
+    if m.rows < 1 or m.cols < 1 or m.ld < m.cols:
+        raise KdaError(f"{kernel}: a tensor map needs rows, cols >= 1 and ld >= cols; got "
+                       f"rows={m.rows} cols={m.cols} ld={m.ld}")
+    if int(m.ptr) % 16 or m.ld % 8:
+        raise KdaError(f"{kernel}: a tensor map needs a 16-byte aligned base and a row stride "
+                       f"of a multiple of 8 bf16; got base {int(m.ptr):#x}, ld={m.ld}")
+
+
 class GpuBackend(abc.ABC):
     """Memory, streams, events, copies and kernel launch on one device."""
 
@@ -191,6 +216,12 @@ class GpuBackend(abc.ABC):
                stream: int) -> None:
         """Enqueue `kernel(*args)` on `stream`. Pointers are `DevicePtr`, `int` parameters
         `np.int32`, `float` parameters `np.float32`."""
+
+    def tensor_map(self, kernel: str, m: TensorMap) -> TensorMap:
+        """`m` as `kernel` takes it: checked, and on CUDA encoded (the host's twins read the
+        matrix itself)."""
+        check_tensor_map(kernel, m)
+        return m
 
     @abc.abstractmethod
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import cupy as cp
 import numpy as np
 
-from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, kernels_dir
-from .driver import OVERLAP_MIN_CC, launch_overlapped
+from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, TensorMap, kernels_dir
+from .driver import OVERLAP_MIN_CC, encode_tensor_map, launch_ex
 from .errors import KdaError, check_int, format_bytes
 
 _H2D, _D2H, _D2D = 1, 2, 3
@@ -211,11 +211,15 @@ class CupyBackend(GpuBackend):
                                f"past the {smem} its source exports as {kernel}_smem")
             smem = cfg.smem
         cargs = tuple(np.uint64(int(a)) if isinstance(a, DevicePtr) else a for a in args)
-        if cfg.overlap and self._cc >= OVERLAP_MIN_CC:
-            launch_overlapped(kernel, handle, cfg.grid, cfg.block, smem, cargs, stream)
+        overlap = cfg.overlap and self._cc >= OVERLAP_MIN_CC
+        if overlap or any(isinstance(a, TensorMap) for a in args):
+            launch_ex(kernel, handle, cfg.grid, cfg.block, smem, cargs, stream, overlap)
             return
         with self.stream_obj(stream):
             fn(cfg.grid, cfg.block, cargs, shared_mem=smem)
+
+    def tensor_map(self, kernel: str, m: TensorMap) -> TensorMap:
+        return encode_tensor_map(kernel, m)
 
     def gemm_bf16(self, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr, ldc: int,
                   m: int, n: int, k: int, stream: int) -> None:

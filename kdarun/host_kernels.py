@@ -56,6 +56,20 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
         Y[r] = (W @ xr).astype(BF16)
 
 
+def dense_gemv_wg(gpu, wmap, xmap, y, n, k, m, ldy, ks):
+    # the tensor maps describe the matrices the CUDA copies read (backend.TensorMap)
+    dense_gemv_bf16(gpu, wmap.ptr, xmap.ptr, y, n, k, m, xmap.ld, ldy)
+
+
+def front_end_wg(gpu, wmap, xmap, fbmap, gbmap, famap, gamap, gate_in, qkv_parts, qkv_proj,
+                 a_log, dt_bias, g_raw, out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R,
+                 lower_bound, bounded, ks, ks_early, ks_gate, early_blocks, proj_blocks):
+    # the tensor maps describe the matrices the CUDA copies read (backend.TensorMap)
+    front_end_gemv(gpu, wmap.ptr, xmap.ptr, gate_in, qkv_parts, qkv_proj, fbmap.ptr, gbmap.ptr,
+                   a_log, dt_bias, g_raw, out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R,
+                   lower_bound, bounded, ks, ks_early, ks_gate, early_blocks, proj_blocks)
+
+
 def front_end_gemv(gpu, w, x, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                    out_gate, gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks,
                    ks_early, ks_gate, early_blocks, proj_blocks):
@@ -373,6 +387,7 @@ def tp_round(gpu, acc, y, n):
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv,
              "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
+    "gemv_wg": {"dense_gemv_wg": dense_gemv_wg, "front_end_wg": front_end_wg},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,
              "prefill_stage_copies": prefill_stage_copies,

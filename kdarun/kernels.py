@@ -13,13 +13,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig
+from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, TensorMap
 from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_FIELDS,
                      Glm5NextKdaConfig)
 from .dtypes import BF16, F32
 from .errors import KdaError
 
-FAMILIES = ("gemv", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm", "reduce")
+FAMILIES = ("gemv", "gemv_wg", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm",
+            "reduce")
 
 # The GPUs kdarun builds for, by compute capability (10 major + minor), with the most shared
 # memory one block may take (dynamic, opted in): the chunk kernels size their staging to it.
@@ -51,6 +52,10 @@ GEMV_SLAB_W_BYTES = 64 * 1024  # the batch GEMVs' ring of weight stages, a block
 GEMV_SLAB_X_STAGES = 3  # the batch GEMVs' ring of x stages (from L2: fewer suffice)
 GEMV_SLAB_TILES = 4  # tiles a block of front_end_gemv_batch, a warp each
 GEMV_SLAB_TILES_DENSE = 2  # tiles a block of dense_gemv_bf16_batch (o_proj has few)
+WG_TILE = 64  # weight rows and token rows a gemv_wg.cu block: the m64n64 MMA's, the TMA box's
+WG_THREADS = 128  # gemv_wg.cu's block: one warpgroup
+WG_SLOTS = 3  # stages (32 KB each) in gemv_wg.cu's ring, a block
+WG_BLOCKS_PER_SM = 2  # gemv_wg.cu's blocks an SM (their __launch_bounds__)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
@@ -60,6 +65,7 @@ PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a ch
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
 BATCH_OVERLAP = 0  # the same for the batch kernels: 1 measured slower at B = 64 (perf-log v36)
+BATCH_WG = 1  # the batch GEMVs on gemv_wg.cu where sm_90a's build runs (Glm5NextKdaKernels.wg)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
 
@@ -139,7 +145,9 @@ def compile_defines(cc: int = 90) -> tuple[str, ...]:
               "GEMV_BATCH_BLOCKS_PER_SM": GEMV_BATCH_BLOCKS_PER_SM,
               "GEMV_SLAB_W_BYTES": GEMV_SLAB_W_BYTES, "GEMV_SLAB_X_STAGES": GEMV_SLAB_X_STAGES,
               "GEMV_SLAB_TILES": GEMV_SLAB_TILES,
-              "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "DECODE_SPLIT": DECODE_SPLIT,
+              "GEMV_SLAB_TILES_DENSE": GEMV_SLAB_TILES_DENSE, "WG_TILE": WG_TILE,
+              "WG_THREADS": WG_THREADS, "WG_SLOTS": WG_SLOTS,
+              "WG_BLOCKS_PER_SM": WG_BLOCKS_PER_SM, "DECODE_SPLIT": DECODE_SPLIT,
               "DECODE_BATCH_BLOCKS_PER_SM": decode_batch_blocks_per_sm(cc),
               "DECODE_BATCH_BULK": int(decode_batch_bulk(cc)),
               "CONV_TOKENS": CONV_TOKENS, "WALK_ROWS": WALK_ROWS, "WALK_THREADS": WALK_THREADS,
@@ -277,6 +285,7 @@ class Glm5NextKdaKernels:
         defines = compile_defines(cc)
         modules = {fam: self.gpu.load_module(fam, defines) for fam in FAMILIES}
         self.cc, self.modules = cc, modules
+        self._maps: dict[tuple[int, int, int, int], TensorMap] = {}
 
     def _launch(self, family: str, name: str, cfg: LaunchConfig, args: tuple, stream: int) -> None:
         for a in args:
@@ -324,16 +333,52 @@ class Glm5NextKdaKernels:
         return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS), blocks, 1), (32 * GEMV_WARPS, 1, 1),
                             overlap=_overlap(batch=True))
 
+    @property
+    def wg(self) -> bool:
+        """Whether the batch GEMVs run on TMA copies and warpgroup MMAs (gemv_wg.cu): in
+        sm_90a's build (BATCH_WG, read at each launch, so tools/sweep.py can switch it); every
+        other build streams them through the slab kernels of gemv.cu."""
+        return bool(BATCH_WG) and self.cc == 90 and self.gpu.has_wgmma
+
+    def _wg_takes(self, *ptrs: DevicePtr) -> bool:
+        """Whether gemv_wg.cu's tensor copies can read matrices at these addresses (16-byte
+        aligned; the rows' strides are multiples of 8 elements wherever a GEMV runs): a
+        caller's hidden rows at an odd offset take the slab kernels instead."""
+        return self.wg and all(int(p) % 16 == 0 for p in ptrs)
+
+    def _tensor_map(self, kernel: str, ptr: DevicePtr, rows: int, cols: int,
+                    ld: int) -> TensorMap:
+        """The tensor map of bf16 [rows, cols] at ptr for gemv_wg.cu, made once: a map depends
+        on nothing else, so the same key is the same map (a batch of decode re-encodes only
+        for a new batch size or buffer)."""
+        key = (int(ptr), rows, cols, ld)
+        if key not in self._maps:
+            if len(self._maps) >= 4096:  # eager calls over ever new buffers: start again
+                self._maps.clear()
+            self._maps[key] = self.gpu.tensor_map(kernel,
+                                                  TensorMap(ptr, rows, cols, ld, WG_TILE))
+        return self._maps[key]
+
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls.
-        Up to GEMV_COLUMNS rows take decode's launch, more one launch of the slabs of
-        GEMV_BATCH_GROUPS column groups side by side (grid x), a weight block's slabs at once."""
+        Up to GEMV_COLUMNS rows take decode's launch; more, on sm_90a, one launch of
+        dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid x: a
+        tile's slabs at once); elsewhere one launch of the slabs of GEMV_BATCH_GROUPS column
+        groups side by side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
             name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
+        elif self._wg_takes(w, x):
+            cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), 1), (WG_THREADS, 1, 1),
+                               overlap=_overlap(batch=True))
+            self._launch("gemv_wg", "dense_gemv_wg", cfg, (
+                self._tensor_map("dense_gemv_wg", w, n, k, k),
+                self._tensor_map("dense_gemv_wg", x, m, k, k), y, i32(n), i32(k), i32(m),
+                i32(n), i32(ks)), stream)
+            return
         else:
             name = "dense_gemv_bf16_batch"
             cfg = self._slab_cfg(self._slab_blocks(n, GEMV_SLAB_TILES_DENSE), m)
@@ -372,30 +417,60 @@ class Glm5NextKdaKernels:
         return proj_blocks + gate_blocks, (ks, ks_early, ks_gate, i32(early_blocks),
                                            i32(proj_blocks))
 
+    @functools.cached_property
+    def _front_end_wg_plan(self) -> tuple[int, tuple]:
+        """front_end_wg's blocks a slab and arguments: front_end_gemv's shares (a row's sums
+        follow them, so its bits are decode's) and a block a WG_TILE-row tile of each region:
+        f_a|g_a|b, q|k|v, f_b|g_b (qkv % WG_TILE == 0: a tile is all f or all g), then beta's."""
+        c = self.cfg
+        _, (ks, ks_early, ks_gate, _, _) = self._front_end_plan
+        early_blocks = _blocks(c.gate_in_rows, WG_TILE)
+        proj_blocks = early_blocks + c.conv_dim // WG_TILE
+        gate_blocks = 2 * c.qkv // WG_TILE + 1
+        return proj_blocks + gate_blocks, (ks, ks_early, ks_gate, i32(early_blocks),
+                                           i32(proj_blocks))
+
     def front_end_gemv(self, stream: int, w_in: DevicePtr, hidden: DevicePtr, gate_in: DevicePtr,
                        qkv_parts: DevicePtr, qkv_proj: DevicePtr, f_b: DevicePtr, g_b: DevicePtr,
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
         """Decode's front end over m rows of hidden [m, hidden] bf16 in one launch (the slabs
-        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS): the packed
+        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS: front_end_wg's
+        WG_TILE-row tiles on sm_90a, the slab kernel's elsewhere): the packed
         projection, q|k|v to qkv_proj [m, conv_dim] and qkv_parts [3, m, qkv] and f_a|g_a|b to
         gate_in [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate [m, qkv],
         out_gate [m, qkv] and beta [m, H]. sync [front_sync_words(m)] int32 orders the gates
         after the rows they read; zero on entry, left zero."""
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
+        gate_args = (i32(c.num_heads), i32(c.head_dim), i32(c.rank), *self._gate_form())
         if m <= GEMV_COLUMNS:
             blocks, shares = self._front_end_plan
             name, cfg = "front_end_gemv", self._gemv_launch(blocks)
+        elif self._wg_takes(w_in, hidden, f_b, g_b, gate_in, gate_in + BF16.itemsize * c.rank):
+            blocks, shares = self._front_end_wg_plan
+            cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
+                               overlap=_overlap(batch=True))
+            k, r, ldg, name = c.hidden_size, c.rank, c.gate_in_width, "front_end_wg"
+            maps = (self._tensor_map(name, w_in, c.proj_rows, k, k),
+                    self._tensor_map(name, hidden, m, k, k),
+                    self._tensor_map(name, f_b, c.qkv, r, r),
+                    self._tensor_map(name, g_b, c.qkv, r, r),
+                    self._tensor_map(name, gate_in, m, r, ldg),  # f_a
+                    self._tensor_map(name, gate_in + BF16.itemsize * r, m, r, ldg))  # g_a
+            self._launch("gemv_wg", name, cfg,
+                         (*maps, gate_in, qkv_parts, qkv_proj, a_log, dt_bias, g_raw, out_gate,
+                          gate, beta, sync, i32(c.proj_rows), i32(k), i32(m), i32(m), i32(ldg),
+                          *gate_args, *shares), stream)
+            return
         else:
             blocks, shares = self._front_end_batch_plan
             name, cfg = "front_end_gemv_batch", self._slab_cfg(blocks, m)
         self._launch("gemv", name, cfg,
                      (w_in, hidden, gate_in, qkv_parts, qkv_proj, f_b, g_b, a_log, dt_bias, g_raw,
                       out_gate, gate, beta, sync, i32(c.proj_rows), i32(c.hidden_size), i32(m),
-                      i32(m), i32(c.gate_in_width), i32(c.num_heads), i32(c.head_dim),
-                      i32(c.rank), *self._gate_form(), *shares), stream)
+                      i32(m), i32(c.gate_in_width), *gate_args, *shares), stream)
 
     def gemm_bf16(self, stream: int, a: DevicePtr, lda: int, w: DevicePtr, c: DevicePtr,
                   ldc: int, m: int, n: int, k: int) -> None:

@@ -22,6 +22,13 @@ __device__ __forceinline__ void proj_store(bf16* qkv_proj, bf16* qkv_parts, bf16
     }
 }
 
+// An f_a|g_a|b block counts itself done in sync[0] once its outputs are visible.
+__device__ __forceinline__ void early_done(int* sync) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[0], 1);
+}
+
 // The gate blocks' wait: until `early` f_a|g_a|b blocks (or warps) counted themselves done.
 __device__ __forceinline__ void wait_early(int* sync, int early) {
     if (threadIdx.x == 0) {

@@ -172,7 +172,7 @@ __device__ __forceinline__ void front_end(
         }
         return;
     }
-    auto early_done = [&]() { wait_early(sync, early); };
+    auto gate_wait = [&]() { wait_early(sync, early); };
     const int gb = blockIdx.x - proj_blocks, gate_blocks = gridDim.x - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
@@ -184,7 +184,7 @@ __device__ __forceinline__ void front_end(
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
         float out[4];
         if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
-                               ks_gate, out, early_done))  // f_b / g_b load while tiles finish
+                               ks_gate, out, gate_wait))  // f_b / g_b load while tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
                            bounded, c, m, v);
@@ -423,14 +423,9 @@ __device__ __forceinline__ void front_end_slab(
             slab_outputs(out, n0, n_end, M, [&](int n, int m, float v) {
                 proj_store(qkv_proj, qkv_parts, gate_in, qkv, P, ldg, n, m, v);
             });
-        if (is_early) {
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) atomicAdd(&sync[0], 1);
-        }
+        if (is_early) early_done(sync);
         return;
     }
-    auto early_done = [&]() { wait_early(sync, early_blocks); };
     const int gb = blk - proj_blocks, gate_blocks = gridDim.y - proj_blocks;
     const bf16* f_a = gate_in;
     if (gb == gate_blocks - 1) {
@@ -441,8 +436,9 @@ __device__ __forceinline__ void front_end_slab(
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv;
         float out[TB][4];
+        auto gate_wait = [&]() { wait_early(sync, early_blocks); };  // f_b / g_b load meanwhile
         if (gemv_slab<TB>(is_f ? f_b : g_b, qkv, R, is_f ? f_a : f_a + R, M, ldg, c0, ks_gate,
-                          out, early_done))  // f_b / g_b load while the early blocks finish
+                          out, gate_wait))
             slab_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
                            bounded, c, m, v);

@@ -84,6 +84,17 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// An m64n64 product's 32 accumulators as its asm statements name them (operands 0-31).
+#define WGMMA_D32_LIST                                                                        \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                   \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define WGMMA_D32(d)                                                                          \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),         \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),           \
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),           \
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
 // d[N/2] += A (4 registers) x B (desc + STEP 16-byte units), m64nNk16, bf16 in, fp32
 // accumulators: tile i of the N columns is d[4 i ..], mma_bf16's C fragment. B is K-major
 // (TB = 0: a core matrix's 16-byte rows run along K) or MN-major (TB = 1: along N). The step is
@@ -96,16 +107,9 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
     if constexpr (N == 64) {
         asm volatile("{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, 1, 0;\n"
                      "add.s64 b, %36, %37;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-                     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32_LIST ", "
                      "{%32,%33,%34,%35}, b, p, 1, 1, %38;\n}"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
+                     : WGMMA_D32(d)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(STEP), "n"(TB));
     } else {
         asm volatile("{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, 1, 0;\n"
@@ -129,6 +133,21 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
                        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(STEP), "n"(TB));
     }
+#else
+    __trap();
+#endif
+}
+
+// d = A B^T (+ d where acc), m64n64k16, both operands K-major in shared memory by descriptor
+// (A's 64 rows the product's M, B's 64 rows its N); d is mma_bf16's C fragment for each 8
+// columns, as wgmma_rs's.
+__device__ __forceinline__ void wgmma_ss64(float (&d)[32], u64 da, u64 db, int acc) {
+#if KDA_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32_LIST ", "
+                 "%32, %33, p, 1, 1, 0, 0;\n}"
+                 : WGMMA_D32(d)
+                 : "l"(da), "l"(db), "r"(acc));
 #else
     __trap();
 #endif

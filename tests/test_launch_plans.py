@@ -117,14 +117,17 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
         Glm5NextKdaKernels(host, cfg, core="fast")
 
 
+@pytest.mark.parametrize("cc", [90, 80])
 @pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256])
-def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
+def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to one column group,
     else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
     are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
-    the front end's sync words hold a pair a slab."""
+    o_proj's on sm_90a is dense_gemv_wg's, a block a 64-row tile of weights and of tokens, its
+    matrices by tensor maps. The front end's sync words hold a pair a slab."""
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    kn.use_build(cc)
     launched = []
     monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
                         launched.append((name, cfg_.grid, args)))
@@ -133,19 +136,62 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, monkeypatch):
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
     (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
-    assert int(dense_args[5]) == m  # every row in the one launch, from the given pointers
-    assert int(front_args[16]) == int(front_args[17]) == m and tuple(front_args[:14]) == tuple(p)
-    assert tuple(dense_args[:3]) == tuple(p[:3])
+    wg = m > kernels.GEMV_COLUMNS and cc == 90
+    if wg:  # six matrices by tensor maps, then the slab kernel's arguments less w_in, x, f_b, g_b
+        mats = [(f.ptr, f.rows, f.cols, f.ld) for f in front_args[:6]]
+        k, r, ldg = cfg.hidden_size, cfg.rank, cfg.gate_in_width
+        assert mats == [(p[0], cfg.proj_rows, k, k), (p[1], m, k, k), (p[5], cfg.qkv, r, r),
+                        (p[6], cfg.qkv, r, r), (p[2], m, r, ldg), (p[2] + 2 * r, m, r, ldg)]
+        assert tuple(front_args[6:16]) == (*p[2:5], *p[7:14])
+        assert int(front_args[18]) == int(front_args[19]) == m
+    else:
+        assert int(front_args[16]) == int(front_args[17]) == m
+        assert tuple(front_args[:14]) == tuple(p)
+    if wg:  # the matrices by tensor maps, every row in the one launch
+        wmap, xmap = dense_args[:2]
+        assert (wmap.ptr, wmap.rows, wmap.cols, wmap.ld) == (p[0], cfg.hidden_size, cfg.qkv,
+                                                            cfg.qkv)
+        assert (xmap.ptr, xmap.rows, xmap.cols, xmap.ld) == (p[1], m, cfg.qkv, cfg.qkv)
+        assert dense_args[2] == p[2] and int(dense_args[5]) == m
+    else:  # every row in the one launch, from the given pointers
+        assert tuple(dense_args[:3]) == tuple(p[:3]) and int(dense_args[5]) == m
     if m <= kernels.GEMV_COLUMNS:
         assert (dense, front) == ("dense_gemv_bf16", "front_end_gemv")
         assert dense_grid[1] == front_grid[1] == 1  # decode's launches: blocks in grid x
     else:
-        assert (dense, front) == ("dense_gemv_bf16_batch", "front_end_gemv_batch")
-        tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
-        assert dense_grid == (slabs, ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), 1)
-        assert front_grid == (slabs, kn._front_end_batch_plan[0], 1)
+        if wg:  # a slab a WG_TILE of token rows, as the sync pairs count them
+            assert kernels.WG_TILE == kernels.BATCH_SLAB_ROWS
+            assert (dense, front) == ("dense_gemv_wg", "front_end_wg")
+            assert dense_grid == (slabs, ceil_div(cfg.hidden_size, kernels.WG_TILE), 1)
+            tiles = [ceil_div(n, kernels.WG_TILE) for n in (cfg.gate_in_rows, cfg.conv_dim,
+                                                             2 * cfg.qkv)]
+            assert front_grid == (slabs, sum(tiles) + 1, 1) == (
+                slabs, kn._front_end_wg_plan[0], 1)
+        else:
+            assert front == "front_end_gemv_batch"
+            assert front_grid == (slabs, kn._front_end_batch_plan[0], 1)
+            assert dense == "dense_gemv_bf16_batch"
+            tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
+            assert dense_grid == (slabs, ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), 1)
     assert kernels.front_sync_words(m) == 2 * slabs
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
+
+
+def test_batch_gemvs_take_the_slabs_where_the_tensor_copies_cannot_read(monkeypatch):
+    """A matrix whose base is not 16-byte aligned (a caller's hidden rows at an odd offset)
+    cannot be read by gemv_wg.cu's tensor copies: that call takes the slab kernels (whose rows
+    are decode's bits too); the aligned calls around it take gemv_wg.cu's."""
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    launched = []
+    monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
+                        launched.append(name))
+    p = [DevicePtr(4096 * (i + 1)) for i in range(14)]
+    for x in (p[1], p[1] + 2, p[1] + 16):
+        kn.dense_gemv_bf16_batchm(0, p[0], x, p[2], cfg.hidden_size, cfg.qkv, 64)
+        kn.front_end_gemv(0, p[0], x, *p[2:], 64)
+    assert launched == ["dense_gemv_wg", "front_end_wg", "dense_gemv_bf16_batch",
+                        "front_end_gemv_batch", "dense_gemv_wg", "front_end_wg"]
 
 
 @pytest.mark.parametrize("sm_count", [108, 132])
@@ -196,7 +242,7 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     d = env.cfg.head_dim
     own = {"front_end_gemv", "dense_gemv_bf16", f"kda_decode_rows_d{d}",
            f"kda_decode_rows_slot_d{d}"}
-    batched = {"front_end_gemv_batch", "dense_gemv_bf16_batch", f"kda_decode_batch_d{d}"}
+    batched = {"front_end_wg", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
     assert {name for name, _ in launched} >= own | batched
     for name, o in launched:
         assert o == (bool(single) and name in own or bool(batch) and name in batched), name

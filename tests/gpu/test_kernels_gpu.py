@@ -1,9 +1,15 @@
-"""The CUDA backend launches each kernel with the dynamic shared memory its source exports
-(`<kernel>_smem`), read back from the NVRTC build the runtime uses."""
+"""Kernels on their own: the CUDA backend launches each with the dynamic shared memory its
+source exports (`<kernel>_smem`, read back from the NVRTC build the runtime uses); the batch
+GEMVs' rows are decode's bits."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from kdarun import Glm5NextKdaKernels, synthetic
+from kdarun.dtypes import BF16
+from kdarun.kernels import GEMV_COLUMNS
 
 
 def test_exported_shared_memory_reaches_the_launch(cuda):
@@ -18,5 +24,32 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
     assert smem["dense_gemv_bf16"] == smem["front_end_gemv"] > 0
     for name in ("front_end_gemv_batch", "dense_gemv_bf16_batch"):  # the slab rings: past 48 KB
         assert 48 * 1024 < cuda.shared_bytes(kn.modules["gemv"], name) <= 227 * 1024, name
+    assert 48 * 1024 < cuda.shared_bytes(kn.modules["gemv_wg"], "dense_gemv_wg") <= 227 * 1024
     assert 48 * 1024 < smem["kda_chunk_intra_d64"] <= smem["kda_chunk_intra_d128"]
     assert 48 * 1024 < smem[f"{walk[1]}_d64"] <= smem[f"{walk[1]}_d128"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("n, k, m", [(200, 136, 9), (130, 1000, 65), (64, 64, 200),
+                                     (2304, 4096, 64)])
+def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
+    """dense_gemv_bf16_batchm over m token rows (on sm_90a dense_gemv_wg, by tensor maps and
+    warpgroup MMAs; elsewhere the slab kernel) equals decode's launch over each 8 of them, bit
+    for bit, at shapes whose weight rows, token rows and K end inside a tile, a slab, a stage
+    and a TMA box; the output row past m keeps its poison."""
+    kn = Glm5NextKdaKernels(cuda, synthetic.preset_config("tiny"))
+    assert kn.wg == (cuda.compute_capability == 90 and cuda.has_wgmma)
+    rng = np.random.default_rng(n + k + m)
+    w = cuda.upload((rng.standard_normal((n, k), np.float32) * 0.05).astype(BF16))
+    x = cuda.upload(rng.standard_normal((m, k), np.float32).astype(BF16))
+    poison = np.full((m + 1, n), np.nan, np.float32).astype(BF16)
+    y, ref = cuda.upload(poison), cuda.upload(poison)
+    kn.dense_gemv_bf16_batchm(0, w, x, y, n, k, m)
+    for r0 in range(0, m, GEMV_COLUMNS):
+        kn.dense_gemv_bf16_batchm(0, w, x + 2 * r0 * k, ref + 2 * r0 * n, n, k,
+                                  min(GEMV_COLUMNS, m - r0))
+    got, want = (cuda.download(p, (m + 1, n), BF16).view(np.uint16) for p in (y, ref))
+    assert np.array_equal(got[:m], want[:m])
+    assert np.array_equal(got[m], poison[m].view(np.uint16))
+    assert np.isfinite(want[:m].view(BF16).astype(np.float32)).all()
+    for p in (w, x, y, ref):
+        cuda.free(p)

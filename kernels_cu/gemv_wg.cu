@@ -1,0 +1,197 @@
+// The batch GEMVs on Hopper's asynchronous units (sm_90a; other builds trap, and the host
+// launches them only on sm_90a). The slab GEMVs (gemv.cu) move every stage by cp.async from
+// every thread and run a chain of dependent mma.sync a warp; at 64 token rows and more they
+// stream weights at 0.5-1.5 TB/s (docs/perf-log.md, v29-v45). Here one thread copies a stage by
+// TMA tensor copies (a 64 x 64 box an instruction, 128-byte swizzle, zero fill past the
+// matrices' ends) into a ring of WG_SLOTS stages, counted on the slot's mbarrier, and a
+// warpgroup multiplies 64 weight rows by 64 token rows by warpgroup MMAs with both operands read
+// from shared memory. The k order is decode's (gemv_tile): stages of GEMV_STAGE_K, share j of
+// ks taking stages j, j + ks, ...; even and odd k16 blocks in two chains, each from zero at a
+// share's start; a share's c0 + c1 added to the running total in share order. So a row's
+// bits are decode's (tests/gpu/test_kernels_gpu.py checks them at shapes that end inside a
+// box).
+#include "front_end.cuh"
+#include "sm90.cuh"
+
+constexpr int WG_BOX = WG_TILE * WG_TILE * 2;    // bytes of one box: WG_TILE rows of WG_TILE k
+constexpr int WG_HALVES = GEMV_STAGE_K / WG_TILE;  // boxes along k a stage and operand
+constexpr int WG_STAGE = 2 * WG_HALVES * WG_BOX;   // a stage: weights, then x
+static_assert(GEMV_STAGE_K % WG_TILE == 0, "whole boxes a stage");
+static_assert(WG_TILE * 2 == 128 && WG_THREADS == WARPGROUP,
+              "a box row is the 128-byte swizzle's; a block is the m64 MMA's warpgroup");
+
+// A CUtensorMap (cuda.h), encoded by the host (kdarun/driver.py) and passed by value.
+struct alignas(64) TensorMap {
+    u64 words[16];
+};
+
+__device__ __forceinline__ void tma_2d(void* dst, const TensorMap& map, u64* bar, int k, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];"
+        ::"r"(smem_addr(dst)), "l"(&map), "r"(smem_addr(bar)), "r"(k), "r"(row) : "memory");
+}
+
+// A K-major operand in the 128-byte swizzle, as the TMA lands a box: 8-row atoms of 128 bytes,
+// 1024 bytes apart. A k16 step is 32 bytes on within the atom (the hardware swizzles it).
+__device__ __forceinline__ u64 sw128_desc(const void* p) {
+    return (u64)((smem_addr(p) & 0x3FFFFu) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// W[n0 : n0 + 64, :K] x[m0 : m0 + 64, :K]^T into tot, this thread's 32 sums: rows n0 + 16 w + g,
+// + 8 (warp w, lane 4 g + t), token rows m0 + 8 i + 2 t, + 1 for i < 8 (wg_outputs). The block
+// is one warpgroup; every thread must call it. prior_grid_sync, then ready(), run in every
+// thread after the first stages' weight copies are issued and before any x copy: x that blocks
+// of this launch write (the gates' f_a, g_a) is read by the TMA once ready() saw it written.
+template <typename Ready = NoWait>
+__device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& xmap, int n0,
+                                        int m0, int K, int ks, float (&tot)[32],
+                                        Ready ready = Ready()) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ unsigned char raw[];
+    unsigned char* ring = (unsigned char*)(((u64)raw + 1023) & ~(u64)1023);  // swizzle atoms
+    __shared__ u64 full[WG_SLOTS];
+    const int tid = threadIdx.x;
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
+    auto kblock = [&](int u) {  // the u-th stage's k block, share-major (shares < rem: q + 1)
+        const int big = rem * (q + 1);
+        return u < big ? u / (q + 1) + ks * (u % (q + 1))
+                       : rem + (u - big) / q + ks * ((u - big) % q);
+    };
+    auto copy = [&](int u, bool w, bool x) {
+        unsigned char* st = ring + (u % WG_SLOTS) * WG_STAGE;
+        const int k = kblock(u) * GEMV_STAGE_K;
+        for (int h = 0; h < WG_HALVES; ++h) {
+            const int kh = k + WG_TILE * h;
+            if (w) tma_2d(st + h * WG_BOX, wmap, &full[u % WG_SLOTS], kh, n0);
+            if (x) tma_2d(st + (WG_HALVES + h) * WG_BOX, xmap, &full[u % WG_SLOTS], kh, m0);
+        }
+    };
+    const int first = min(WG_SLOTS, steps);
+    if (tid == 0) {
+        for (int s = 0; s < WG_SLOTS; ++s) mbar_init(&full[s], 1);
+        mbar_init_fence();
+        for (int u = 0; u < first; ++u) {
+            mbar_expect(&full[u], WG_STAGE);
+            copy(u, true, false);
+        }
+    }
+    prior_grid_sync();  // x may be the previous kernel's output
+    ready();
+    if (tid == 0) {
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // x written, then the TMA reads
+        for (int u = 0; u < first; ++u) copy(u, false, true);
+    }
+    __syncthreads();  // the barriers are initialised
+    float c[2][32] = {};
+    int u = 0, next = first;  // u: the stage read next; next: the stage copied next
+    for (int share = 0; share < ks; ++share) {
+        const int n_st = q + (share < rem);
+        for (int i = 0; i < n_st; ++i, ++u) {
+            mbar_wait(&full[u % WG_SLOTS], (u / WG_SLOTS) & 1);
+            const unsigned char* st = ring + (u % WG_SLOTS) * WG_STAGE;
+            wgmma_fence();
+#pragma unroll
+            for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16) {
+                const int off = (k16 / 4) * WG_BOX + (k16 % 4) * 32;
+                wgmma_ss64(c[k16 & 1], sw128_desc(st + off),
+                           sw128_desc(st + WG_HALVES * WG_BOX + off), i > 0 || k16 >= 2);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+            // every warp is done with the stages before u: their slots refill
+            asm volatile("bar.sync 1, %0;" ::"n"(WG_THREADS) : "memory");
+            if (tid == 0)
+                for (; next < steps && next < u + WG_SLOTS; ++next) {
+                    mbar_expect(&full[next % WG_SLOTS], WG_STAGE);
+                    copy(next, true, true);
+                }
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const float p = c[0][i] + c[1][i];
+            tot[i] = share == 0 ? p : tot[i] + p;
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// Calls put(n, m, value) for each of this thread's wg_tile sums that exists (n < N, m < M).
+template <typename F>
+__device__ __forceinline__ void wg_outputs(const float (&tot)[32], int n0, int m0, int N, int M,
+                                           F put) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int n = n0 + 16 * w + g + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+        if (n < N && m < M) put(n, m, tot[i]);
+    }
+}
+
+// y[m, n] = bf16(W[n] . x[m]) over M token rows: a block a 64-row weight tile (blockIdx.y) and
+// 64 token rows (blockIdx.x: a weight tile's slabs neighbours in launch order, so all but the
+// first read its weights from L2). wmap / xmap: W [N, K] and x [M, K].
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_BLOCKS_PER_SM)
+dense_gemv_wg(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
+              bf16* y, int N, int K, int M, int ldy, int ks) {
+    const int n0 = blockIdx.y * WG_TILE, m0 = blockIdx.x * WG_TILE;
+    float tot[32];
+    wg_tile(wmap, xmap, n0, m0, K, ks, tot);
+    wg_outputs(tot, n0, m0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+}
+
+// front_end_slab (gemv.cu) on wg_tile: over M token rows, a block a 64-row tile of the
+// f_a|g_a|b rows (early_blocks, run first; each counts itself done in its slab's sync[0]), of
+// q|k|v's (up to proj_blocks) or of f_b|g_b's, which wait for the slab's early blocks and read
+// f_a and g_a from gate_in by their own maps, then beta's, last; 64 token rows blockIdx.x.. of
+// them (each slab its own sync pair). The shares ks, ks_early and ks_gate are front_end's, so
+// every output has its bits. Maps: W [N, K] (the packed projection), x [M, K], f_b and g_b
+// [qkv, R], f_a and g_a [M, R] (gate_in's columns 0 and R, row stride ldg).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_BLOCKS_PER_SM) front_end_wg(
+    const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
+    const __grid_constant__ TensorMap fbmap, const __grid_constant__ TensorMap gbmap,
+    const __grid_constant__ TensorMap famap, const __grid_constant__ TensorMap gamap,
+    bf16* gate_in, bf16* qkv_parts, bf16* qkv_proj, const float* a_log, const float* dt_bias,
+    bf16* g_raw, bf16* out_gate, float* gate, float* beta, int* sync, int N, int K, int M, int P,
+    int ldg, int H, int D, int R, float lower_bound, int bounded, int ks, int ks_early,
+    int ks_gate, int early_blocks, int proj_blocks) {
+    const int qkv = H * D, m0 = blockIdx.x * WG_TILE, blk = blockIdx.y;
+    sync += 2 * blockIdx.x;
+    float tot[32];
+    if (blk < proj_blocks) {
+        const bool is_early = blk < early_blocks;
+        const int n0 = is_early ? 3 * qkv + blk * WG_TILE : (blk - early_blocks) * WG_TILE;
+        const int n_end = is_early ? N : 3 * qkv;  // rows past it: another region's
+        wg_tile(wmap, xmap, n0, m0, K, is_early ? ks_early : ks, tot);
+        wg_outputs(tot, n0, m0, n_end, M, [&](int n, int m, float v) {
+            proj_store(qkv_proj, qkv_parts, gate_in, qkv, P, ldg, n, m, v);
+        });
+        if (is_early) early_done(sync);
+        return;
+    }
+    const int gb = blk - proj_blocks, gate_blocks = gridDim.y - proj_blocks;
+    if (gb == gate_blocks - 1) {
+        beta_block(sync, early_blocks, gate_in + (u64)m0 * ldg, beta + (u64)m0 * H,
+                   min(M - m0, WG_TILE), H, ldg, R);
+    } else {
+        const int n0 = gb * WG_TILE;  // qkv % WG_TILE == 0: a tile is all f or all g
+        const bool is_f = n0 < qkv;
+        const int c0 = is_f ? n0 : n0 - qkv;
+        wg_tile(is_f ? fbmap : gbmap, is_f ? famap : gamap, c0, m0, R, ks_gate, tot,
+                [&]() { wait_early(sync, early_blocks); });  // f_b / g_b load meanwhile
+        wg_outputs(tot, c0, m0, qkv, M, [&](int c, int m, float v) {
+            gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound, bounded,
+                       c, m, v);
+        });
+    }
+    gates_done(sync, gate_blocks);
+}
+
+extern "C" {
+__constant__ int dense_gemv_wg_smem = WG_SLOTS * WG_STAGE + 1024;  // + the atoms' alignment
+__constant__ int front_end_wg_smem = WG_SLOTS * WG_STAGE + 1024;
+}
