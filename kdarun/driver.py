@@ -9,9 +9,9 @@ and the structures' layout are tested on any machine; the calls themselves need 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import struct
-import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -97,7 +97,8 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     if not hasattr(lib, "cuLaunchKernelEx"):
         raise KdaError("the CUDA driver has no cuLaunchKernelEx (CUDA 12.0 on): overlapped "
-                       "launches need a newer driver; set kdarun.kernels.DECODE_OVERLAP = 0")
+                       "launches and tensor maps need a newer driver; set "
+                       "kdarun.kernels.DECODE_OVERLAP = 0 and kdarun.kernels.BATCH_WG = 0")
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfigEx), ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p]
     lib.cuTensorMapEncodeTiled.argtypes = [
