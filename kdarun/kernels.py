@@ -56,6 +56,8 @@ WG_TILE = 64  # weight rows and token rows a gemv_wg.cu block: the m64n64 MMA's,
 WG_THREADS = 128  # gemv_wg.cu's block: one warpgroup
 WG_SLOTS = 3  # stages (32 KB each) in gemv_wg.cu's ring, a block
 WG_BLOCKS_PER_SM = 2  # gemv_wg.cu's blocks an SM (their __launch_bounds__)
+WG_FROM_ROWS = 65  # token rows from which the batch GEMVs take gemv_wg.cu: on the H200 batched
+# decode at B = 64 ran 11 us slower on it (its steps alone as fast), at B = 256 44 us faster
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
@@ -340,11 +342,12 @@ class Glm5NextKdaKernels:
         other build streams them through the slab kernels of gemv.cu."""
         return bool(BATCH_WG) and self.cc == 90 and self.gpu.has_wgmma
 
-    def _wg_takes(self, *ptrs: DevicePtr) -> bool:
-        """Whether gemv_wg.cu's tensor copies can read matrices at these addresses (16-byte
-        aligned; the rows' strides are multiples of 8 elements wherever a GEMV runs): a
-        caller's hidden rows at an odd offset take the slab kernels instead."""
-        return self.wg and all(int(p) % 16 == 0 for p in ptrs)
+    def _wg_takes(self, m: int, *ptrs: DevicePtr) -> bool:
+        """Whether a batch GEMV over m token rows runs on gemv_wg.cu: from WG_FROM_ROWS rows,
+        where its tensor copies can read the matrices at these addresses (16-byte aligned; the
+        rows' strides are multiples of 8 elements wherever a GEMV runs): a caller's hidden
+        rows at an odd offset take the slab kernels instead."""
+        return self.wg and m >= WG_FROM_ROWS and all(int(p) % 16 == 0 for p in ptrs)
 
     def _tensor_map(self, kernel: str, ptr: DevicePtr, rows: int, cols: int,
                     ld: int) -> TensorMap:
@@ -363,15 +366,15 @@ class Glm5NextKdaKernels:
                                n: int, k: int, m: int) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls.
-        Up to GEMV_COLUMNS rows take decode's launch; more, on sm_90a, one launch of
-        dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid x: a
-        tile's slabs at once); elsewhere one launch of the slabs of GEMV_BATCH_GROUPS column
+        Up to GEMV_COLUMNS rows take decode's launch; from WG_FROM_ROWS on sm_90a one launch
+        of dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid x: a
+        tile's slabs at once); otherwise one launch of the slabs of GEMV_BATCH_GROUPS column
         groups side by side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
             name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
-        elif self._wg_takes(w, x):
+        elif self._wg_takes(m, w, x):
             cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), 1), (WG_THREADS, 1, 1),
                                overlap=_overlap(batch=True))
             self._launch("gemv_wg", "dense_gemv_wg", cfg, (
@@ -436,8 +439,8 @@ class Glm5NextKdaKernels:
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
         """Decode's front end over m rows of hidden [m, hidden] bf16 in one launch (the slabs
-        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS: front_end_wg's
-        WG_TILE-row tiles on sm_90a, the slab kernel's elsewhere): the packed
+        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS: from WG_FROM_ROWS on
+        sm_90a front_end_wg's WG_TILE-row tiles, otherwise the slab kernel's): the packed
         projection, q|k|v to qkv_proj [m, conv_dim] and qkv_parts [3, m, qkv] and f_a|g_a|b to
         gate_in [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate [m, qkv],
         out_gate [m, qkv] and beta [m, H]. sync [front_sync_words(m)] int32 orders the gates
@@ -448,7 +451,8 @@ class Glm5NextKdaKernels:
         if m <= GEMV_COLUMNS:
             blocks, shares = self._front_end_plan
             name, cfg = "front_end_gemv", self._gemv_launch(blocks)
-        elif self._wg_takes(w_in, hidden, f_b, g_b, gate_in, gate_in + BF16.itemsize * c.rank):
+        elif self._wg_takes(m, w_in, hidden, f_b, g_b, gate_in,
+                            gate_in + BF16.itemsize * c.rank):
             blocks, shares = self._front_end_wg_plan
             cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
                                overlap=_overlap(batch=True))

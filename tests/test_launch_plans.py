@@ -123,8 +123,9 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to one column group,
     else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
     are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
-    o_proj's on sm_90a is dense_gemv_wg's, a block a 64-row tile of weights and of tokens, its
-    matrices by tensor maps. The front end's sync words hold a pair a slab."""
+    from WG_FROM_ROWS rows on sm_90a the launches are gemv_wg.cu's, a block a 64-row tile of
+    weights and of tokens, the matrices by tensor maps. The front end's sync words hold a pair
+    a slab."""
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(open_backend("host"), cfg)
     kn.use_build(cc)
@@ -136,7 +137,7 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
     (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
-    wg = m > kernels.GEMV_COLUMNS and cc == 90
+    wg = m >= kernels.WG_FROM_ROWS and cc == 90
     if wg:  # six matrices by tensor maps, then the slab kernel's arguments less w_in, x, f_b, g_b
         mats = [(f.ptr, f.rows, f.cols, f.ld) for f in front_args[:6]]
         k, r, ldg = cfg.hidden_size, cfg.rank, cfg.gate_in_width
@@ -188,8 +189,8 @@ def test_batch_gemvs_take_the_slabs_where_the_tensor_copies_cannot_read(monkeypa
                         launched.append(name))
     p = [DevicePtr(4096 * (i + 1)) for i in range(14)]
     for x in (p[1], p[1] + 2, p[1] + 16):
-        kn.dense_gemv_bf16_batchm(0, p[0], x, p[2], cfg.hidden_size, cfg.qkv, 64)
-        kn.front_end_gemv(0, p[0], x, *p[2:], 64)
+        kn.dense_gemv_bf16_batchm(0, p[0], x, p[2], cfg.hidden_size, cfg.qkv, 128)
+        kn.front_end_gemv(0, p[0], x, *p[2:], 128)
     assert launched == ["dense_gemv_wg", "front_end_wg", "dense_gemv_bf16_batch",
                         "front_end_gemv_batch", "dense_gemv_wg", "front_end_wg"]
 
@@ -242,7 +243,7 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     d = env.cfg.head_dim
     own = {"front_end_gemv", "dense_gemv_bf16", f"kda_decode_rows_d{d}",
            f"kda_decode_rows_slot_d{d}"}
-    batched = {"front_end_wg", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
+    batched = {"front_end_gemv_batch", "dense_gemv_bf16_batch", f"kda_decode_batch_d{d}"}
     assert {name for name, _ in launched} >= own | batched
     for name, o in launched:
         assert o == (bool(single) and name in own or bool(batch) and name in batched), name

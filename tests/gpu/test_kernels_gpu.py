@@ -30,12 +30,12 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
 
 
 @pytest.mark.parametrize("n, k, m", [(200, 136, 9), (130, 1000, 65), (64, 64, 200),
-                                     (2304, 4096, 64)])
+                                     (2304, 4096, 64), (2304, 4096, 130)])
 def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
-    """dense_gemv_bf16_batchm over m token rows (on sm_90a dense_gemv_wg, by tensor maps and
-    warpgroup MMAs; elsewhere the slab kernel) equals decode's launch over each 8 of them, bit
-    for bit, at shapes whose weight rows, token rows and K end inside a tile, a slab, a stage
-    and a TMA box; the output row past m keeps its poison."""
+    """dense_gemv_bf16_batchm over m token rows (from WG_FROM_ROWS on sm_90a dense_gemv_wg, by
+    tensor maps and warpgroup MMAs; otherwise the slab kernel) equals decode's launch over each
+    8 of them, bit for bit, at shapes whose weight rows, token rows and K end inside a tile, a
+    slab, a stage and a TMA box; the output row past m keeps its poison."""
     kn = Glm5NextKdaKernels(cuda, synthetic.preset_config("tiny"))
     assert kn.wg == (cuda.compute_capability == 90 and cuda.has_wgmma)
     rng = np.random.default_rng(n + k + m)

@@ -126,9 +126,9 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
     overlapped = []
-    real = cuda_backend.launch_overlapped
-    monkeypatch.setattr(cuda_backend, "launch_overlapped",
-                        lambda kernel, *rest: (overlapped.append(kernel), real(kernel, *rest)))
+    real = cuda_backend.launch_ex  # its last argument: whether the launch overlaps
+    monkeypatch.setattr(cuda_backend, "launch_ex", lambda kernel, *rest: (
+        rest[-1] and overlapped.append(kernel), real(kernel, *rest)))
     stream = gpu.create_stream()
     rows, row = abs(b) or 1, cfg.hidden_size * 2
     pool = KdaStatePool(gpu, cfg, 80, stream)
