@@ -1,15 +1,15 @@
 // The batch GEMVs on Hopper's asynchronous units (sm_90a; other builds trap, and the host
-// launches them only on sm_90a). The slab GEMVs (gemv.cu) move every stage by cp.async from
-// every thread and run a chain of dependent mma.sync a warp; at 64 token rows and more they
-// stream weights at 0.5-1.5 TB/s (docs/perf-log.md, v29-v45). Here one thread copies a stage by
-// TMA tensor copies (a 64 x 64 box an instruction, 128-byte swizzle, zero fill past the
-// matrices' ends) into a ring of WG_SLOTS stages, counted on the slot's mbarrier, and a
-// warpgroup multiplies 64 weight rows by 64 token rows by warpgroup MMAs with both operands read
-// from shared memory. The k order is decode's (gemv_tile): stages of GEMV_STAGE_K, share j of
-// ks taking stages j, j + ks, ...; even and odd k16 blocks in two chains, each from zero at a
-// share's start; a share's c0 + c1 added to the running total in share order. So a row's
-// bits are decode's (tests/gpu/test_kernels_gpu.py checks them at shapes that end inside a
-// box).
+// launches them only there, from WG_FROM_ROWS token rows: kdarun/kernels.py). The slab GEMVs
+// (gemv.cu) move every stage by cp.async from every thread and run a chain of dependent
+// mma.sync a warp: at 256 token rows they read weights at 0.3-0.6 TB/s (docs/perf-log.md, v45).
+// Here one thread copies a stage by TMA tensor copies (a 64 x 64 box an instruction, 128-byte
+// swizzle, zero fill past the matrices' ends) into a ring of WG_SLOTS stages, counted on the
+// slot's mbarrier, and a warpgroup multiplies 64 weight rows by 64 token rows by warpgroup MMAs
+// with both operands read from shared memory. The k order is decode's (gemv_tile): stages of
+// GEMV_STAGE_K, share j of ks taking stages j, j + ks, ...; even and odd k16 blocks in two
+// chains, each from zero at a share's start; a share's c0 + c1 added to the running total in
+// share order. So a row's bits are decode's (tests/gpu/test_kernels_gpu.py checks them at
+// shapes that end inside a box).
 #include "front_end.cuh"
 #include "sm90.cuh"
 
