@@ -131,13 +131,19 @@ class TensorMap:
     encoded: bytes = b""
 
 
+def tma_addressable(ptr: DevicePtr, ld: int) -> bool:
+    """Whether a tensor map can address bf16 rows at ptr, ld elements apart (cuda.h: a 16-byte
+    aligned base, row strides a multiple of 16 bytes)."""
+    return int(ptr) % 16 == 0 and ld % 8 == 0
+
+
 def check_tensor_map(kernel: str, m: TensorMap) -> None:
-    """What a tensor map's matrix must satisfy (cuda.h: a 16-byte aligned base, row strides a
-    multiple of 16 bytes), as a KdaError naming `kernel`."""
+    """What a tensor map's matrix must satisfy (its shape, `tma_addressable`), as a KdaError
+    naming `kernel`."""
     if m.rows < 1 or m.cols < 1 or m.ld < m.cols:
         raise KdaError(f"{kernel}: a tensor map needs rows, cols >= 1 and ld >= cols; got "
                        f"rows={m.rows} cols={m.cols} ld={m.ld}")
-    if int(m.ptr) % 16 or m.ld % 8:
+    if not tma_addressable(m.ptr, m.ld):
         raise KdaError(f"{kernel}: a tensor map needs a 16-byte aligned base and a row stride "
                        f"of a multiple of 8 bf16; got base {int(m.ptr):#x}, ld={m.ld}")
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, TensorMap
+from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, TensorMap, tma_addressable
 from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_FIELDS,
                      Glm5NextKdaConfig)
 from .dtypes import BF16, F32
@@ -342,12 +342,11 @@ class Glm5NextKdaKernels:
         other build streams them through the slab kernels of gemv.cu."""
         return bool(BATCH_WG) and self.cc == 90 and self.gpu.has_wgmma
 
-    def _wg_takes(self, m: int, *ptrs: DevicePtr) -> bool:
+    def _wg_takes(self, m: int, *mats: tuple[DevicePtr, int]) -> bool:
         """Whether a batch GEMV over m token rows runs on gemv_wg.cu: from WG_FROM_ROWS rows,
-        where its tensor copies can read the matrices at these addresses (16-byte aligned; the
-        rows' strides are multiples of 8 elements wherever a GEMV runs): a caller's hidden
-        rows at an odd offset take the slab kernels instead."""
-        return self.wg and m >= WG_FROM_ROWS and all(int(p) % 16 == 0 for p in ptrs)
+        where tensor maps can address each matrix (ptr, row stride): a caller's hidden rows at
+        an odd offset take the slab kernels instead."""
+        return self.wg and m >= WG_FROM_ROWS and all(tma_addressable(*p) for p in mats)
 
     def _tensor_map(self, kernel: str, ptr: DevicePtr, rows: int, cols: int,
                     ld: int) -> TensorMap:
@@ -374,7 +373,7 @@ class Glm5NextKdaKernels:
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
             name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
-        elif self._wg_takes(m, w, x):
+        elif self._wg_takes(m, (w, k), (x, k)):
             cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), 1), (WG_THREADS, 1, 1),
                                overlap=_overlap(batch=True))
             self._launch("gemv_wg", "dense_gemv_wg", cfg, (
@@ -451,24 +450,26 @@ class Glm5NextKdaKernels:
         if m <= GEMV_COLUMNS:
             blocks, shares = self._front_end_plan
             name, cfg = "front_end_gemv", self._gemv_launch(blocks)
-        elif self._wg_takes(m, w_in, hidden, f_b, g_b, gate_in,
-                            gate_in + BF16.itemsize * c.rank):
-            blocks, shares = self._front_end_wg_plan
-            cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
-                               overlap=_overlap(batch=True))
-            k, r, ldg, name = c.hidden_size, c.rank, c.gate_in_width, "front_end_wg"
-            maps = (self._tensor_map(name, w_in, c.proj_rows, k, k),
-                    self._tensor_map(name, hidden, m, k, k),
-                    self._tensor_map(name, f_b, c.qkv, r, r),
-                    self._tensor_map(name, g_b, c.qkv, r, r),
-                    self._tensor_map(name, gate_in, m, r, ldg),  # f_a
-                    self._tensor_map(name, gate_in + BF16.itemsize * r, m, r, ldg))  # g_a
-            self._launch("gemv_wg", name, cfg,
-                         (*maps, gate_in, qkv_parts, qkv_proj, a_log, dt_bias, g_raw, out_gate,
-                          gate, beta, sync, i32(c.proj_rows), i32(k), i32(m), i32(m), i32(ldg),
-                          *gate_args, *shares), stream)
-            return
         else:
+            k, r, ldg = c.hidden_size, c.rank, c.gate_in_width
+            g_a = gate_in + BF16.itemsize * r  # gate_in's columns from r
+            if self._wg_takes(m, (w_in, k), (hidden, k), (f_b, r), (g_b, r), (gate_in, ldg),
+                              (g_a, ldg)):
+                blocks, shares = self._front_end_wg_plan
+                cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
+                                   overlap=_overlap(batch=True))
+                name = "front_end_wg"
+                maps = (self._tensor_map(name, w_in, c.proj_rows, k, k),
+                        self._tensor_map(name, hidden, m, k, k),
+                        self._tensor_map(name, f_b, c.qkv, r, r),
+                        self._tensor_map(name, g_b, c.qkv, r, r),
+                        self._tensor_map(name, gate_in, m, r, ldg),  # f_a
+                        self._tensor_map(name, g_a, m, r, ldg))
+                self._launch("gemv_wg", name, cfg,
+                             (*maps, gate_in, qkv_parts, qkv_proj, a_log, dt_bias, g_raw,
+                              out_gate, gate, beta, sync, i32(c.proj_rows), i32(k), i32(m),
+                              i32(m), i32(ldg), *gate_args, *shares), stream)
+                return
             blocks, shares = self._front_end_batch_plan
             name, cfg = "front_end_gemv_batch", self._slab_cfg(blocks, m)
         self._launch("gemv", name, cfg,

@@ -20,25 +20,6 @@ static_assert(GEMV_STAGE_K % WG_TILE == 0, "whole boxes a stage");
 static_assert(WG_TILE * 2 == 128 && WG_THREADS == WARPGROUP,
               "a box row is the 128-byte swizzle's; a block is the m64 MMA's warpgroup");
 
-// A CUtensorMap (cuda.h), encoded by the host (kdarun/driver.py) and passed by value.
-struct alignas(64) TensorMap {
-    u64 words[16];
-};
-
-__device__ __forceinline__ void tma_2d(void* dst, const TensorMap& map, u64* bar, int k, int row) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4}], [%2];"
-        ::"r"(smem_addr(dst)), "l"(&map), "r"(smem_addr(bar)), "r"(k), "r"(row) : "memory");
-}
-
-// A K-major operand in the 128-byte swizzle, as the TMA lands a box: 8-row atoms of 128 bytes,
-// 1024 bytes apart. A k16 step is 32 bytes on within the atom (the hardware swizzles it).
-__device__ __forceinline__ u64 sw128_desc(const void* p) {
-    return (u64)((smem_addr(p) & 0x3FFFFu) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
 // W[n0 : n0 + 64, :K] x[m0 : m0 + 64, :K]^T into tot, this thread's 32 sums: rows n0 + 16 w + g,
 // + 8 (warp w, lane 4 g + t), token rows m0 + 8 i + 2 t, + 1 for i < 8 (wg_outputs). The block
 // is one warpgroup; every thread must call it. prior_grid_sync, then ready(), run in every

@@ -1,9 +1,10 @@
 // Hopper's asynchronous units: bulk copies (the TMA engine, sm_90 on: the chunk walk's operands,
-// the batch decode's state rows) completing on mbarriers, and warpgroup MMAs (sm_90a, the
-// walk). A warpgroup is four consecutive warps; warp w of it holds rows 16 w .. 16 w + 15 of
-// the m64 product. A comes from registers in mma_bf16's A-fragment order per warp (so an
-// accumulator's fragments feed the next product's A without moving through shared memory); B
-// comes from shared memory through a descriptor.
+// the batch decode's state rows; tensor copies by map: gemv_wg.cu's tiles) completing on
+// mbarriers, and warpgroup MMAs (sm_90a: the walk, gemv_wg.cu). A warpgroup is four
+// consecutive warps; warp w of it holds rows 16 w .. 16 w + 15 of the m64 product. In the walk A
+// comes from registers in mma_bf16's A-fragment order per warp (so an accumulator's fragments
+// feed the next product's A without moving through shared memory) and B from shared memory
+// through a descriptor; gemv_wg.cu reads both from shared memory (wgmma_ss64).
 // Built for sm_90 (CI's nvcc -arch=sm_90) the MMAs are absent: KDA_WGMMA is 0 and they trap;
 // the backend builds the kernels for sm_90a on such a GPU.
 #pragma once
@@ -58,6 +59,27 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
         ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// A CUtensorMap (cuda.h), encoded by the host (kdarun/driver.py) and passed by value.
+struct alignas(64) TensorMap {
+    u64 words[16];
+};
+
+// One box of the map at coordinates (k, row), global to shared memory by the TMA engine,
+// counted on bar (the whole box's bytes; past the matrix's ends zeros, as the map was encoded).
+__device__ __forceinline__ void tma_2d(void* dst, const TensorMap& map, u64* bar, int k, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];"
+        ::"r"(smem_addr(dst)), "l"(&map), "r"(smem_addr(bar)), "r"(k), "r"(row) : "memory");
+}
+
+// A K-major operand in the 128-byte swizzle, as the TMA lands a box: 8-row atoms of 128 bytes,
+// 1024 bytes apart. A k16 step is 32 bytes on within the atom (the hardware swizzles it).
+__device__ __forceinline__ u64 sw128_desc(const void* p) {
+    return (u64)((smem_addr(p) & 0x3FFFFu) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
