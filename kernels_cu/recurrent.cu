@@ -308,84 +308,22 @@ __host__ __device__ constexpr int decode_batch_smem(int D, int rows, int nrows) 
     return ((DECODE_BATCH_BULK ? rows * D : 0) + 7 * nrows * D) * 4;
 }
 
+// The conv of every token, the batch kernels' first phase: thread (pair, d) convolves q (pair
+// 0) or k channel d (taps ta, weights wa) and, where mine_v, v's (tv, wv), else the decay (pair
+// 1); q and k stay unnormalised in registers until the L2 partial sums of all tokens are in, v
+// and the decay go straight to vs and gx; each token's conv state goes to its snapshot slot
+// (snap[t] >= 0). Then q and k, normalised and rounded to bf16, to conv_out (where `owner`: the
+// head's first block) and qs / ks. xs holds the tokens' projections [nrows][3 D] bf16. Every
+// thread calls it (two block barriers).
 template <int D>
-__device__ __forceinline__ void decode_batch(
-    const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
-    bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
-    float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
-    const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
-    float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
-    int nslots, int* __restrict__ fault, int* __restrict__ sync, int nrows, int nsnap, int H,
-    int W, float scale, float eps) {
-    constexpr int E = D / 32, NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
-    constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PR = RPW / P;  // PR: steps at split 1
-    constexpr int G = 2;  // steps a warp takes at once: independent chains of sums
-    static_assert(PR % G == 0, "the register variant views s[p0..] as G whole steps");
-    extern __shared__ __align__(16) float dyn[];
-    __shared__ __align__(16) float nws[D];
-    __shared__ float part[R][NW], bs[R];
-    __shared__ bf16 tap_s[MAX_CONV_KERNEL - 1][2 * D];
-    __shared__ int last, snap[R];
-    const int h = blockIdx.x, slice = blockIdx.y, split = gridDim.y;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int qkv = H * D, conv_dim = 3 * qkv, rows = D / split, rpw = RPW / split;
-    const int pair = tid / D, d = tid % D;
-    const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
-    const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
-    const int row0 = slice * rows + warp * rpw;            // this warp's first state row
-    const int li = lane % L, rl = lane / L;                  // this lane in its row's group
-    float* S = state + (u64)h * D * D + (u64)slice * rows * D;  // this block's rows
-    float* qs = dyn + (DECODE_BATCH_BULK ? rows * D : 0);
-    float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D, *cs = gx + nrows * D;
-    bf16* ogs = reinterpret_cast<bf16*>(cs + nrows * D);  // [nrows][D]
-    bf16* xs = ogs + nrows * D;                           // [nrows][3 D]: q, k, v
-    // The loads that depend on no earlier kernel of the call first, before prior_grid_sync,
-    // so the state rows' latency overlaps the front end's end and the conv.
-#if DECODE_BATCH_BULK
-    __shared__ u64 bar;
-    float* Ss = dyn;  // [rows][D]
-    if (tid == 0) {  // the other threads wait on bar after the conv's barriers
-        const unsigned bytes = rows * D * 4;
-        mbar_init(&bar, 1);
-        mbar_init_fence();
-        mbar_expect(&bar, bytes);
-        bulk_copy(Ss, S, bytes, &bar);
-    }
-#else
-    float s[PR][ROW_E] = {};  // rows warp rpw + P p + rl of the block's, where below rpw
-#pragma unroll
-    for (int p = 0; p < PR; ++p)
-        if (P * p + rl < rpw) ldrow<D, true>(s[p], S + (u64)(warp * rpw + P * p + rl) * D, li);
-#endif
-    if (tid < D) nws[tid] = o_norm_w[tid];
-    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
-    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
-    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
-    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
-    prior_grid_sync();  // what follows reads the front end's outputs
-    {  // a token's 16-byte runs: 3 D / 8 of q, k, v; D / 4 of the decay; D / 8 of the norm gate
-        constexpr int XR = 3 * D / 8, GR = D / 4, OR = D / 8, RUNS = XR + GR + OR;
-        for (int i = tid; i < nrows * RUNS; i += 2 * D) {
-            const int t = i / RUNS, c = i % RUNS;
-            if (c < XR)
-                cp_async16(xs + t * 3 * D + 8 * c, x + (u64)t * conv_dim + (c / (D / 8)) * qkv +
-                                                       h * D + 8 * (c % (D / 8)));
-            else if (c < XR + GR)
-                cp_async16(gx + t * D + 4 * (c - XR), gate + (u64)t * qkv + h * D + 4 * (c - XR));
-            else
-                cp_async16(ogs + t * D + 8 * (c - XR - GR),
-                           out_gate + (u64)t * qkv + h * D + 8 * (c - XR - GR));
-        }
-        cp_commit();
-    }
-    if (tid < nsnap)  // entry blockIdx.z (nrows - 1) + tid of the launch's snapshot table
-        snap[tid] = checked_slot(snap_slots[tid], nslots, fault, 1,
-                                 blockIdx.z * (nrows - 1) + tid);
-    if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
-    cp_wait<0>();
-    __syncthreads();
-    // The conv of every token: q / k kept unnormalised in registers until the L2 partial sums
-    // of all tokens are in; v and the decay straight to shared memory.
+__device__ __forceinline__ void batch_conv(
+    bf16 (&ta)[MAX_CONV_KERNEL], const float (&wa)[MAX_CONV_KERNEL], bf16 (&tv)[MAX_CONV_KERNEL],
+    const float (&wv)[MAX_CONV_KERNEL], const bf16* xs, float* qs, float* ks, float* vs,
+    float* gx, float (*part)[D / 16], const int* snap, bf16* __restrict__ conv_out,
+    bf16* __restrict__ conv_pool, bool owner, bool mine_v, int ca, int cv, int nrows, int nsnap,
+    int conv_dim, int W) {
+    constexpr int R = MAX_DECODE_ROWS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, pair = tid / D, d = tid % D;
     float ya[R];
 #pragma unroll
     for (int t = 0; t < R; ++t) {
@@ -403,14 +341,10 @@ __device__ __forceinline__ void decode_batch(
         const int si = t < nsnap ? snap[t] : -1;  // the conv state after this token
         if (si >= 0) {
             bf16* to = conv_pool + (u64)si * (W - 1) * conv_dim;
-            if (slice == 0) conv_store(to, ta, ca, conv_dim, W);
+            if (owner) conv_store(to, ta, ca, conv_dim, W);
             if (mine_v) conv_store(to, tv, cv, conv_dim, W);
         }
     }
-    if (mine_v) conv_store(conv_state, tv, cv, conv_dim, W);  // no other block reads them
-#pragma unroll
-    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // q / k's, stored once every block read them
-        if (j < W - 1) tap_s[j][tid] = ta[j];
     __syncthreads();
 #pragma unroll
     for (int t = 0; t < R; ++t) {
@@ -418,16 +352,28 @@ __device__ __forceinline__ void decode_batch(
         float ss = 0.0f;
         for (int i = 0; i < D / 32; ++i) ss += part[t][pair * (D / 32) + i];
         const bf16 r = f2bf(ya[t] * (1.0f / sqrtf(ss + L2_NORM_EPS)));
-        if (slice == 0) conv_out[(u64)t * conv_dim + ca] = r;
+        if (owner) conv_out[(u64)t * conv_dim + ca] = r;
         (pair == 0 ? qs : ks)[t * D + d] = bf2f(r);
     }
     __syncthreads();
-#if DECODE_BATCH_BULK
-    mbar_wait(&bar, 0);
-#endif
-    // The delta-rule step, token by token, on this warp's rows, G steps at a time: their loads,
-    // then their steps (independent chains), then their stores. A step with any of the warp's
-    // rows runs in every lane (its sums shuffle across the warp); lanes past them hold zeros.
+}
+
+// The delta-rule step of the batch kernels, token by token, on this warp's rpw state rows (the
+// head's rows row0.., the block's rows warp rpw.. of Ss), G steps at a time: their loads, then
+// their steps (independent chains), then their stores. A step with any of the warp's rows runs
+// in every lane (its sums shuffle across the warp); lanes past them hold zeros. Bulk builds read
+// and write the rows in Ss, the last token's to fin (the same rows' place, in global or shared
+// memory); the others keep them in s. The outputs go to core [nrows, H D] and cs [nrows][D];
+// the state after token t < nsnap to pool slot snap[t] >= 0 (rec_pool's head h).
+template <int D, int PR, int G>
+__device__ __forceinline__ void batch_delta(
+    float (&s)[PR][ROW_E], float* Ss, float* fin, const float* gx, const float* ks,
+    const float* qs, const float* vs, const float* bs, float* cs, const int* snap,
+    float* __restrict__ core, float* __restrict__ rec_pool, int row0, int rpw, int nrows,
+    int nsnap, int H, int h, float scale) {
+    constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int li = lane % L, rl = lane / L, qkv = H * D;
 #pragma unroll 1
     for (int t = 0; t < nrows; ++t) {
         float gv[ROW_E], kv[ROW_E], qv[ROW_E];
@@ -464,8 +410,7 @@ __device__ __forceinline__ void decode_batch(
                 const int r = P * (p0 + p) + rl, j = row0 + r;
                 if (r >= rpw) continue;
 #if DECODE_BATCH_BULK  // the next token's row, or the final state
-                strow<D>(t + 1 < nrows ? Ss + (warp * rpw + r) * D : S + (u64)(warp * rpw + r) * D,
-                         sg[p], li);
+                strow<D>((t + 1 < nrows ? Ss : fin) + (u64)(warp * rpw + r) * D, sg[p], li);
 #endif
                 if (li == 0) {
                     core[(u64)t * qkv + h * D + j] = o[p];
@@ -475,6 +420,120 @@ __device__ __forceinline__ void decode_batch(
             }
         }
     }
+}
+
+// The gated RMSNorm of the head's nrows outputs, a warp a token: from cs, or (from_core) from
+// core, where the head's other blocks wrote theirs. ogs: the staged norm gate [nrows][D].
+template <int D>
+__device__ __forceinline__ void batch_norm(const float* cs, const float* __restrict__ core,
+                                           const bf16* ogs, const float* nws,
+                                           bf16* __restrict__ o_norm_out, bool from_core,
+                                           int nrows, int qkv, int h, float eps) {
+    constexpr int E = D / 32, NW = D / 16;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int t = warp; t < nrows; t += NW) {
+        const u64 o = (u64)t * qkv + h * D + lane * E;
+        float v[E], og[E], nw[E];
+        unsigned y[E / 2];
+#pragma unroll
+        for (int e = 0; e < E; ++e) og[e] = bf2f(ogs[t * D + lane * E + e]);
+        ldv(nw, nws + lane * E);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = from_core ? __ldcg(core + o + e) : cs[t * D + lane * E + e];
+        gated_rms(v, nw, og, D, eps, y);
+#pragma unroll
+        for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void decode_batch(
+    const bf16* __restrict__ x, bf16* __restrict__ conv_state, const float* __restrict__ conv_w,
+    bf16* __restrict__ conv_out, const float* __restrict__ gate, const float* __restrict__ beta,
+    float* __restrict__ state, float* __restrict__ core, const bf16* __restrict__ out_gate,
+    const float* __restrict__ o_norm_w, bf16* __restrict__ o_norm_out,
+    float* __restrict__ rec_pool, bf16* __restrict__ conv_pool, const int* __restrict__ snap_slots,
+    int nslots, int* __restrict__ fault, int* __restrict__ sync, int nrows, int nsnap, int H,
+    int W, float scale, float eps) {
+    constexpr int NW = D / 16, RPW = 16, R = MAX_DECODE_ROWS;  // RPW: rows at split 1
+    constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P, PR = RPW / P;  // PR: steps at split 1
+    constexpr int G = 2;  // steps a warp takes at once: independent chains of sums
+    static_assert(PR % G == 0, "the register variant views s[p0..] as G whole steps");
+    extern __shared__ __align__(16) float dyn[];
+    __shared__ __align__(16) float nws[D];
+    __shared__ float part[R][NW], bs[R];
+    __shared__ bf16 tap_s[MAX_CONV_KERNEL - 1][2 * D];
+    __shared__ int last, snap[R];
+    const int h = blockIdx.x, slice = blockIdx.y, split = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qkv = H * D, conv_dim = 3 * qkv, rows = D / split, rpw = RPW / split;
+    const int pair = tid / D, d = tid % D;
+    const int ca = pair * qkv + h * D + d, cv = 2 * qkv + h * D + d;  // q or k; v
+    const bool mine_v = pair == 0 && d / rows == slice;  // v channels: only this block's rows
+    const int row0 = slice * rows + warp * rpw;            // this warp's first state row
+    [[maybe_unused]] const int li = lane % L, rl = lane / L;  // this lane in its row's group
+    float* S = state + (u64)h * D * D + (u64)slice * rows * D;  // this block's rows
+    float* qs = dyn + (DECODE_BATCH_BULK ? rows * D : 0);
+    float *ks = qs + nrows * D, *vs = ks + nrows * D, *gx = vs + nrows * D, *cs = gx + nrows * D;
+    bf16* ogs = reinterpret_cast<bf16*>(cs + nrows * D);  // [nrows][D]
+    bf16* xs = ogs + nrows * D;                           // [nrows][3 D]: q, k, v
+    // The loads that depend on no earlier kernel of the call first, before prior_grid_sync,
+    // so the state rows' latency overlaps the front end's end and the conv.
+    float s[PR][ROW_E] = {};  // rows warp rpw + P p + rl of the block's, where below rpw
+#if DECODE_BATCH_BULK
+    __shared__ u64 bar;
+    float* Ss = dyn;  // [rows][D]
+    if (tid == 0) {  // the other threads wait on bar after the conv's barriers
+        const unsigned bytes = rows * D * 4;
+        mbar_init(&bar, 1);
+        mbar_init_fence();
+        mbar_expect(&bar, bytes);
+        bulk_copy(Ss, S, bytes, &bar);
+    }
+#else
+    float* Ss = nullptr;
+#pragma unroll
+    for (int p = 0; p < PR; ++p)
+        if (P * p + rl < rpw) ldrow<D, true>(s[p], S + (u64)(warp * rpw + P * p + rl) * D, li);
+#endif
+    if (tid < D) nws[tid] = o_norm_w[tid];
+    bf16 ta[MAX_CONV_KERNEL], tv[MAX_CONV_KERNEL];
+    float wa[MAX_CONV_KERNEL], wv[MAX_CONV_KERNEL];
+    conv_load(ta, wa, conv_state, conv_w, ca, conv_dim, W);
+    if (mine_v) conv_load(tv, wv, conv_state, conv_w, cv, conv_dim, W);
+    prior_grid_sync();  // what follows reads the front end's outputs
+    {  // a token's 16-byte runs: 3 D / 8 of q, k, v; D / 4 of the decay; D / 8 of the norm gate
+        constexpr int XR = 3 * D / 8, GR = D / 4, OR = D / 8, RUNS = XR + GR + OR;
+        for (int i = tid; i < nrows * RUNS; i += 2 * D) {
+            const int t = i / RUNS, c = i % RUNS;
+            if (c < XR)
+                cp_async16(xs + t * 3 * D + 8 * c, x + (u64)t * conv_dim + (c / (D / 8)) * qkv +
+                                                       h * D + 8 * (c % (D / 8)));
+            else if (c < XR + GR)
+                cp_async16(gx + t * D + 4 * (c - XR), gate + (u64)t * qkv + h * D + 4 * (c - XR));
+            else
+                cp_async16(ogs + t * D + 8 * (c - XR - GR),
+                           out_gate + (u64)t * qkv + h * D + 8 * (c - XR - GR));
+        }
+        cp_commit();
+    }
+    if (tid < nsnap)  // entry blockIdx.z (nrows - 1) + tid of the launch's snapshot table
+        snap[tid] = checked_slot(snap_slots[tid], nslots, fault, 1,
+                                 blockIdx.z * (nrows - 1) + tid);
+    if (tid < nrows) bs[tid] = beta[(u64)tid * H + h];
+    cp_wait<0>();
+    __syncthreads();
+    batch_conv<D>(ta, wa, tv, wv, xs, qs, ks, vs, gx, part, snap, conv_out, conv_pool,
+                  slice == 0, mine_v, ca, cv, nrows, nsnap, conv_dim, W);
+    if (mine_v) conv_store(conv_state, tv, cv, conv_dim, W);  // no other block reads them
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)  // q / k's, stored once every block read them
+        if (j < W - 1) tap_s[j][tid] = ta[j];
+#if DECODE_BATCH_BULK
+    mbar_wait(&bar, 0);
+#endif
+    batch_delta<D, PR, G>(s, Ss, S, gx, ks, qs, vs, bs, cs, snap, core, rec_pool, row0, rpw,
+                          nrows, nsnap, H, h, scale);
 #if !DECODE_BATCH_BULK
 #pragma unroll
     for (int p = 0; p < PR; ++p)
@@ -494,19 +553,7 @@ __device__ __forceinline__ void decode_batch(
     } else {
         __syncthreads();
     }
-    for (int t = warp; t < nrows; t += NW) {
-        const u64 o = (u64)t * qkv + h * D + lane * E;
-        float v[E], og[E], nw[E];
-        unsigned y[E / 2];
-#pragma unroll
-        for (int e = 0; e < E; ++e) og[e] = bf2f(ogs[t * D + lane * E + e]);
-        ldv(nw, nws + lane * E);
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = split > 1 ? __ldcg(core + o + e) : cs[t * D + lane * E + e];
-        gated_rms(v, nw, og, D, eps, y);
-#pragma unroll
-        for (int e = 0; e < E; e += 2) *reinterpret_cast<unsigned*>(o_norm_out + o + e) = y[e / 2];
-    }
+    batch_norm<D>(cs, core, ogs, nws, o_norm_out, split > 1, nrows, qkv, h, eps);
     for (int j = 0; j < W - 1; ++j) conv_state[(u64)j * conv_dim + ca] = tap_s[j][tid];
 }
 

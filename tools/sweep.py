@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--mode", choices=("batch-decode", "prefill"), default="batch-decode")
     ap.add_argument("--preset", default="kimi-linear-48b")
     ap.add_argument("--batch", default="64", help="batched decode: sequences, comma-separated")
+    ap.add_argument("--k", type=int, default=1, help="batched decode: rows a sequence (> 1: "
+                    "batched verify)")
     ap.add_argument("--tokens", default="16384", help="prefill: lengths, comma-separated")
     add_set_argument(ap)
     args = ap.parse_args()
@@ -94,8 +96,9 @@ def main() -> int:
         out = []
         if args.mode == "batch-decode":
             for b in (int(x) for x in args.batch.split(",")):
-                r = bench.bench_batch(gpu, args.preset, b, 1, ceil, stream, reps=30)
-                out.append((label(variant), f"B={b}", f"{r.us:.1f} us", r.kernels_us))
+                r = bench.bench_batch(gpu, args.preset, b, args.k, ceil, stream, reps=30)
+                out.append((label(variant), f"B={b}" + (f" K={args.k}" if args.k > 1 else ""),
+                            f"{r.us:.1f} us", r.kernels_us))
                 print(*out[-1], flush=True)
         else:
             for r in bench.bench_prefill(gpu, args.preset, [int(x) for x in args.tokens.split(",")],
