@@ -56,8 +56,8 @@ WG_TILE = 64  # weight rows and token rows a gemv_wg.cu block: the m64n64 MMA's,
 WG_THREADS = 128  # gemv_wg.cu's block: one warpgroup
 WG_SLOTS = 3  # stages (32 KB each) in gemv_wg.cu's ring, a block
 WG_BLOCKS_PER_SM = 2  # gemv_wg.cu's blocks an SM (their __launch_bounds__)
-WG_FROM_ROWS = 65  # token rows from which the batch GEMVs take gemv_wg.cu: on the H200 batched
-# decode at B = 64 ran 11 us slower on it (its steps alone as fast), at B = 256 44 us faster
+WG_FROM_ROWS = 65  # token rows from which the batch GEMVs take gemv_wg.cu: on the H200 its front
+# end ran 50 us in B = 64's chain against the slabs' 39 (perf-log v46), at B = 256 27 us faster
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
