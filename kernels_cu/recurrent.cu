@@ -308,7 +308,10 @@ __host__ __device__ constexpr int decode_batch_smem(int D, int rows, int nrows) 
     return ((DECODE_BATCH_BULK ? rows * D : 0) + 7 * nrows * D) * 4;
 }
 
-// The conv of every token, the batch kernels' first phase: thread (pair, d) convolves q (pair
+// The phases of kda_decode_batch, as functions: so built, sm_90a's build holds the kernel in
+// 80 registers with no spill, where the one body spilled 64 bytes and ran 13-14% longer
+// (docs/perf-log.md, v46).
+// The conv of every token: thread (pair, d) convolves q (pair
 // 0) or k channel d (taps ta, weights wa) and, where mine_v, v's (tv, wv), else the decay (pair
 // 1); q and k stay unnormalised in registers until the L2 partial sums of all tokens are in, v
 // and the decay go straight to vs and gx; each token's conv state goes to its snapshot slot
@@ -358,12 +361,12 @@ __device__ __forceinline__ void batch_conv(
     __syncthreads();
 }
 
-// The delta-rule step of the batch kernels, token by token, on this warp's rpw state rows (the
+// The delta-rule step, token by token, on this warp's rpw state rows (the
 // head's rows row0.., the block's rows warp rpw.. of Ss), G steps at a time: their loads, then
 // their steps (independent chains), then their stores. A step with any of the warp's rows runs
 // in every lane (its sums shuffle across the warp); lanes past them hold zeros. Bulk builds read
-// and write the rows in Ss, the last token's to fin (the same rows' place, in global or shared
-// memory); the others keep them in s. The outputs go to core [nrows, H D] and cs [nrows][D];
+// and write the rows in Ss, the last token's to fin (their place in the pool); the others keep
+// them in s. The outputs go to core [nrows, H D] and cs [nrows][D];
 // the state after token t < nsnap to pool slot snap[t] >= 0 (rec_pool's head h).
 template <int D, int PR, int G>
 __device__ __forceinline__ void batch_delta(
