@@ -375,8 +375,8 @@ __device__ __forceinline__ void batch_delta(
     float* __restrict__ core, float* __restrict__ rec_pool, int row0, int rpw, int nrows,
     int nsnap, int H, int h, float scale) {
     constexpr int L = RowLanes<D>::L, P = RowLanes<D>::P;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int li = lane % L, rl = lane / L, qkv = H * D;
+    const int lane = threadIdx.x & 31, li = lane % L, rl = lane / L, qkv = H * D;
+    [[maybe_unused]] const int warp = threadIdx.x >> 5;  // the bulk builds' rows in Ss
 #pragma unroll 1
     for (int t = 0; t < nrows; ++t) {
         float gv[ROW_E], kv[ROW_E], qv[ROW_E];
