@@ -2,10 +2,11 @@
 """The launch geometry swept in one process, for the device machine: each variant of
 kdarun/kernels.py's constants (GEMV_SLAB_TILES, GEMV_SLAB_X_STAGES, PORTABLE_WALK_STAGES, ...;
 every build takes them as -D flags) is set, the benchmark's layers are built with it, and
-batched decode or prefill is timed, one variant after another:
+batched decode (batched verify with --k) or prefill is timed, one variant after another:
 
     PYTHONPATH=. python3 tools/sweep.py --mode batch-decode --batch 64,256 \\
         --set GEMV_SLAB_X_STAGES=3,5 --set GEMV_SLAB_TILES=4,8
+    PYTHONPATH=. python3 tools/sweep.py --batch 64 --k 4 --set WG_FROM_ROWS=65,257  # verify
     PYTHONPATH=. python3 tools/sweep.py --mode prefill --tokens 16384 \\
         --set PORTABLE_WALK_STAGES=4,5
 
