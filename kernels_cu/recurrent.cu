@@ -365,12 +365,12 @@ __device__ __forceinline__ void batch_conv(
 // head's rows row0.., the block's rows warp rpw.. of Ss), G steps at a time: their loads, then
 // their steps (independent chains), then their stores. A step with any of the warp's rows runs
 // in every lane (its sums shuffle across the warp); lanes past them hold zeros. Bulk builds read
-// and write the rows in Ss, the last token's to fin (their place in the pool); the others keep
+// and write the rows in Ss, the last token's to S (their place in the pool); the others keep
 // them in s. The outputs go to core [nrows, H D] and cs [nrows][D];
 // the state after token t < nsnap to pool slot snap[t] >= 0 (rec_pool's head h).
 template <int D, int PR, int G>
 __device__ __forceinline__ void batch_delta(
-    float (&s)[PR][ROW_E], float* Ss, float* fin, const float* gx, const float* ks,
+    float (&s)[PR][ROW_E], float* Ss, float* S, const float* gx, const float* ks,
     const float* qs, const float* vs, const float* bs, float* cs, const int* snap,
     float* __restrict__ core, float* __restrict__ rec_pool, int row0, int rpw, int nrows,
     int nsnap, int H, int h, float scale) {
@@ -413,7 +413,7 @@ __device__ __forceinline__ void batch_delta(
                 const int r = P * (p0 + p) + rl, j = row0 + r;
                 if (r >= rpw) continue;
 #if DECODE_BATCH_BULK  // the next token's row, or the final state
-                strow<D>((t + 1 < nrows ? Ss : fin) + (u64)(warp * rpw + r) * D, sg[p], li);
+                strow<D>((t + 1 < nrows ? Ss : S) + (u64)(warp * rpw + r) * D, sg[p], li);
 #endif
                 if (li == 0) {
                     core[(u64)t * qkv + h * D + j] = o[p];
