@@ -56,8 +56,9 @@ def dense_gemv_bf16(gpu, w, x, y, n, k, m, ldx, ldy, ks=1):
         Y[r] = (W @ xr).astype(BF16)
 
 
-def dense_gemv_wg(gpu, wmap, xmap, y, n, k, m, ldy, ks):
-    # the tensor maps describe the matrices the CUDA copies read (backend.TensorMap)
+def dense_gemv_wg(gpu, wmap, xmap, y, n, k, m, ldy, ks, part, count):
+    # the tensor maps describe the matrices the CUDA copies read (backend.TensorMap); part and
+    # count carry the CUDA blocks' split of K, which one host pass needs not
     dense_gemv_bf16(gpu, wmap.ptr, xmap.ptr, y, n, k, m, xmap.ld, ldy)
 
 

@@ -56,8 +56,13 @@ WG_TILE = 64  # weight rows and token rows a gemv_wg.cu block: the m64n64 MMA's,
 WG_THREADS = 128  # gemv_wg.cu's block: one warpgroup
 WG_SLOTS = 3  # stages (32 KB each) in gemv_wg.cu's ring, a block
 WG_BLOCKS_PER_SM = 2  # gemv_wg.cu's blocks an SM (their __launch_bounds__)
-WG_FROM_ROWS = 65  # token rows from which the batch GEMVs take gemv_wg.cu: on the H200 its front
+WG_FROM_ROWS = 65  # token rows from which the front end takes gemv_wg.cu: on the H200 its front
 # end ran 50 us in B = 64's chain against the slabs' 39 (perf-log v46), at B = 256 27 us faster
+DENSE_WG_FROM_ROWS = 9  # token rows from which o_proj's batch GEMV takes gemv_wg.cu (split in K)
+DENSE_SPLIT_ROWS = 64  # token rows up to which dense_gemv_wg splits a tile's K over blocks: on
+# the H200 at B = 16 / 64 o_proj took 17.5 / 18.1 us against 21.9 / 22.2 (kimi-linear-48b), 33.3 /
+# 31.2 against 40.9 / 42.2 (glm-5.3-flash); at B = 128 and 256 no faster (perf-log v48)
+DENSE_SPLIT_SHARES = 1  # K shares a block of that split takes
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
@@ -87,6 +92,15 @@ def front_sync_words(rows: int) -> int:
     """front_end_gemv's int32 sync words for up to `rows` token rows: a pair a slab of
     BATCH_SLAB_ROWS (early tiles done, gate blocks done)."""
     return 2 * _blocks(max(rows, 1), BATCH_SLAB_ROWS)
+
+
+def dense_split_tiles(rows: int, n: int) -> int:
+    """dense_gemv_wg's (slab, tile) pairs whose K it may split over blocks, for up to `rows`
+    token rows of n outputs: the slabs of up to DENSE_SPLIT_ROWS rows times the 64-row weight
+    tiles; 1 where rows take decode's launch (a buffer is never empty)."""
+    if rows <= GEMV_COLUMNS:
+        return 1
+    return _blocks(min(rows, DENSE_SPLIT_ROWS), WG_TILE) * _blocks(n, WG_TILE)
 
 
 def gemv_stages(cc: int) -> int:
@@ -342,11 +356,11 @@ class Glm5NextKdaKernels:
         other build streams them through the slab kernels of gemv.cu."""
         return bool(BATCH_WG) and self.cc == 90 and self.gpu.has_wgmma
 
-    def _wg_takes(self, m: int, *mats: tuple[DevicePtr, int]) -> bool:
-        """Whether a batch GEMV over m token rows runs on gemv_wg.cu: from WG_FROM_ROWS rows,
+    def _wg_takes(self, m: int, from_rows: int, *mats: tuple[DevicePtr, int]) -> bool:
+        """Whether a batch GEMV over m token rows runs on gemv_wg.cu: from `from_rows` rows,
         where tensor maps can address each matrix (ptr, row stride): a caller's hidden rows at
         an odd offset take the slab kernels instead."""
-        return self.wg and m >= WG_FROM_ROWS and all(tma_addressable(*p) for p in mats)
+        return self.wg and m >= from_rows and all(tma_addressable(*p) for p in mats)
 
     def _tensor_map(self, kernel: str, ptr: DevicePtr, rows: int, cols: int,
                     ld: int) -> TensorMap:
@@ -362,24 +376,31 @@ class Glm5NextKdaKernels:
         return self._maps[key]
 
     def dense_gemv_bf16_batchm(self, stream: int, w: DevicePtr, x: DevicePtr, y: DevicePtr,
-                               n: int, k: int, m: int) -> None:
+                               n: int, k: int, m: int, part: DevicePtr, count: DevicePtr) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls.
-        Up to GEMV_COLUMNS rows take decode's launch; from WG_FROM_ROWS on sm_90a one launch
-        of dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid x: a
-        tile's slabs at once); otherwise one launch of the slabs of GEMV_BATCH_GROUPS column
-        groups side by side (grid x), a weight block's slabs at once."""
+        Up to GEMV_COLUMNS rows take decode's launch; from DENSE_WG_FROM_ROWS on sm_90a one
+        launch of dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid
+        x: a tile's slabs at once), up to DENSE_SPLIT_ROWS rows its K shares split over grid z,
+        DENSE_SPLIT_SHARES a block, through part [dense_split_tiles(m, n) * GEMV_WARPS,
+        WG_TILE * WG_TILE] fp32 and count [dense_split_tiles(m, n)] int32 (zero on entry, left
+        zero); otherwise one launch of the slabs of GEMV_BATCH_GROUPS column groups side by
+        side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
         if m <= GEMV_COLUMNS:
             name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
-        elif self._wg_takes(m, (w, k), (x, k)):
-            cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), 1), (WG_THREADS, 1, 1),
-                               overlap=_overlap(batch=True))
+        elif self._wg_takes(m, DENSE_WG_FROM_ROWS, (w, k), (x, k)):
+            per = min(DENSE_SPLIT_SHARES, ks)  # both powers of two: per divides ks
+            if per < 1 or per & (per - 1):
+                raise KdaError(f"DENSE_SPLIT_SHARES: expected a power of two, got {per}")
+            split = ks // per if m <= DENSE_SPLIT_ROWS else 1
+            cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), split),
+                               (WG_THREADS, 1, 1), overlap=_overlap(batch=True))
             self._launch("gemv_wg", "dense_gemv_wg", cfg, (
                 self._tensor_map("dense_gemv_wg", w, n, k, k),
                 self._tensor_map("dense_gemv_wg", x, m, k, k), y, i32(n), i32(k), i32(m),
-                i32(n), i32(ks)), stream)
+                i32(n), i32(ks), part, count), stream)
             return
         else:
             name = "dense_gemv_bf16_batch"
@@ -453,8 +474,8 @@ class Glm5NextKdaKernels:
         else:
             k, r, ldg = c.hidden_size, c.rank, c.gate_in_width
             g_a = gate_in + BF16.itemsize * r  # gate_in's columns from r
-            if self._wg_takes(m, (w_in, k), (hidden, k), (f_b, r), (g_b, r), (gate_in, ldg),
-                              (g_a, ldg)):
+            if self._wg_takes(m, WG_FROM_ROWS, (w_in, k), (hidden, k), (f_b, r), (g_b, r),
+                              (gate_in, ldg), (g_a, ldg)):
                 blocks, shares = self._front_end_wg_plan
                 cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
                                    overlap=_overlap(batch=True))

@@ -237,7 +237,7 @@ class Glm5NextKdaLayer:
         return Step("o_proj", "dense_gemv_bf16", ("final_out",),
                     lambda s: self.kernels.dense_gemv_bf16_batchm(
                         s, self.weights.o_proj, ws.o_norm_out, ws.final_out, c.hidden_size,
-                        c.qkv, t))
+                        c.qkv, t, ws.ptr("dense_part"), ws.ptr("dense_sync")))
 
     def decode_steps(self, hidden: DevicePtr, k: int, state: KdaSeqState,
                      ws: Glm5NextKdaWorkspace,

@@ -19,7 +19,7 @@ from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import CHUNK, MAX_DECODE_ROWS, SEG_FIELDS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
-from .kernels import front_sync_words
+from .kernels import GEMV_WARPS, WG_TILE, dense_split_tiles, front_sync_words
 
 
 Shape = Callable[[Glm5NextKdaConfig, int, int], tuple[int, ...]]
@@ -120,6 +120,14 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "[2 a slab of 64 rows] int32", "decode front end: tiles of f_a|g_a|b done, gate "
                "blocks done, a pair a slab; zero between calls (each slab's last gate block "
                "resets its pair)", poison=False),
+    BufferSpec("dense_part", lambda c, t, tp: (dense_split_tiles(t, c.hidden_size) * GEMV_WARPS,
+                                               WG_TILE * WG_TILE), F32, False,
+               "[slabs * tiles, K shares, WG_TILE * WG_TILE] fp32",
+               "batched o_proj (kernels.dense_gemv_bf16_batchm): each K share's sums of a tile, "
+               "which the tile's last block adds in share order"),
+    BufferSpec("dense_sync", lambda c, t, tp: (dense_split_tiles(t, c.hidden_size),), I32, False,
+               "[slabs * tiles] int32", "batched o_proj: a tile's blocks done with their shares; "
+               "zero between calls (the last block resets it)", poison=False),
     BufferSpec("decode_sync", lambda c, t, tp: (t, c.num_heads), I32, False,
                "[sequences, H] int32", "decode: blocks of a (sequence, head) done with the "
                "recurrent step; zero between calls (the last block resets it)", poison=False),

@@ -20,15 +20,16 @@ static_assert(GEMV_STAGE_K % WG_TILE == 0, "whole boxes a stage");
 static_assert(WG_TILE * 2 == 128 && WG_THREADS == WARPGROUP,
               "a box row is the 128-byte swizzle's; a block is the m64 MMA's warpgroup");
 
-// W[n0 : n0 + 64, :K] x[m0 : m0 + 64, :K]^T into tot, this thread's 32 sums: rows n0 + 16 w + g,
-// + 8 (warp w, lane 4 g + t), token rows m0 + 8 i + 2 t, + 1 for i < 8 (wg_outputs). The block
-// is one warpgroup; every thread must call it. prior_grid_sync, then ready(), run in every
-// thread after the first stages' weight copies are issued and before any x copy: x that blocks
-// of this launch write (the gates' f_a, g_a) is read by the TMA once ready() saw it written.
-template <typename Ready = NoWait>
-__device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& xmap, int n0,
-                                        int m0, int K, int ks, float (&tot)[32],
-                                        Ready ready = Ready()) {
+// W[n0 : n0 + 64, :K] x[m0 : m0 + 64, :K]^T over K shares [s0, s1) of ks: fold(share, p) takes
+// each share's 32 sums p of this thread in share order: rows n0 + 16 w + g, + 8 (warp w, lane
+// 4 g + t), token rows m0 + 8 i + 2 t, + 1 for i < 8 (wg_outputs). The block is one warpgroup;
+// every thread must call it. prior_grid_sync, then ready(), run in every thread after the
+// first stages' weight copies are issued and before any x copy: x that blocks of this launch
+// write (the gates' f_a, g_a) is read by the TMA once ready() saw it written.
+template <typename Fold, typename Ready = NoWait>
+__device__ __forceinline__ void wg_shares(const TensorMap& wmap, const TensorMap& xmap, int n0,
+                                          int m0, int K, int ks, int s0, int s1, Fold fold,
+                                          Ready ready = Ready()) {
 #if __CUDA_ARCH__ >= 900
     extern __shared__ unsigned char raw[];
     unsigned char* ring = (unsigned char*)(((u64)raw + 1023) & ~(u64)1023);  // swizzle atoms
@@ -40,21 +41,23 @@ __device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& 
         return u < big ? u / (q + 1) + ks * (u % (q + 1))
                        : rem + (u - big) / q + ks * ((u - big) % q);
     };
+    const int u0 = s0 * q + min(s0, rem), u1 = s1 * q + min(s1, rem);  // the shares' stages
     auto copy = [&](int u, bool w, bool x) {
-        unsigned char* st = ring + (u % WG_SLOTS) * WG_STAGE;
+        const int slot = (u - u0) % WG_SLOTS;
+        unsigned char* st = ring + slot * WG_STAGE;
         const int k = kblock(u) * GEMV_STAGE_K;
         for (int h = 0; h < WG_HALVES; ++h) {
             const int kh = k + WG_TILE * h;
-            if (w) tma_2d(st + h * WG_BOX, wmap, &full[u % WG_SLOTS], kh, n0);
-            if (x) tma_2d(st + (WG_HALVES + h) * WG_BOX, xmap, &full[u % WG_SLOTS], kh, m0);
+            if (w) tma_2d(st + h * WG_BOX, wmap, &full[slot], kh, n0);
+            if (x) tma_2d(st + (WG_HALVES + h) * WG_BOX, xmap, &full[slot], kh, m0);
         }
     };
-    const int first = min(WG_SLOTS, steps);
+    const int first = u0 + min(WG_SLOTS, u1 - u0);
     if (tid == 0) {
         for (int s = 0; s < WG_SLOTS; ++s) mbar_init(&full[s], 1);
         mbar_init_fence();
-        for (int u = 0; u < first; ++u) {
-            mbar_expect(&full[u], WG_STAGE);
+        for (int u = u0; u < first; ++u) {
+            mbar_expect(&full[u - u0], WG_STAGE);
             copy(u, true, false);
         }
     }
@@ -62,16 +65,17 @@ __device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& 
     ready();
     if (tid == 0) {
         asm volatile("fence.proxy.async.global;" ::: "memory");  // x written, then the TMA reads
-        for (int u = 0; u < first; ++u) copy(u, false, true);
+        for (int u = u0; u < first; ++u) copy(u, false, true);
     }
     __syncthreads();  // the barriers are initialised
     float c[2][32] = {};
-    int u = 0, next = first;  // u: the stage read next; next: the stage copied next
-    for (int share = 0; share < ks; ++share) {
+    int u = u0, next = first;  // u: the stage read next; next: the stage copied next
+    for (int share = s0; share < s1; ++share) {
         const int n_st = q + (share < rem);
         for (int i = 0; i < n_st; ++i, ++u) {
-            mbar_wait(&full[u % WG_SLOTS], (u / WG_SLOTS) & 1);
-            const unsigned char* st = ring + (u % WG_SLOTS) * WG_STAGE;
+            const int slot = (u - u0) % WG_SLOTS;
+            mbar_wait(&full[slot], ((u - u0) / WG_SLOTS) & 1);
+            const unsigned char* st = ring + slot * WG_STAGE;
             wgmma_fence();
 #pragma unroll
             for (int k16 = 0; k16 < GEMV_STAGE_K / 16; ++k16) {
@@ -84,21 +88,31 @@ __device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& 
             // every warp is done with the stages before u: their slots refill
             asm volatile("bar.sync 1, %0;" ::"n"(WG_THREADS) : "memory");
             if (tid == 0)
-                for (; next < steps && next < u + WG_SLOTS; ++next) {
-                    mbar_expect(&full[next % WG_SLOTS], WG_STAGE);
+                for (; next < u1 && next < u + WG_SLOTS; ++next) {
+                    mbar_expect(&full[(next - u0) % WG_SLOTS], WG_STAGE);
                     copy(next, true, true);
                 }
         }
         wgmma_wait<0>();
+        float p[32];
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            const float p = c[0][i] + c[1][i];
-            tot[i] = share == 0 ? p : tot[i] + p;
-        }
+        for (int i = 0; i < 32; ++i) p[i] = c[0][i] + c[1][i];
+        fold(share, p);
     }
 #else
     __trap();
 #endif
+}
+
+// All ks shares of the tile, summed into tot in share order as decode sums them.
+template <typename Ready = NoWait>
+__device__ __forceinline__ void wg_tile(const TensorMap& wmap, const TensorMap& xmap, int n0,
+                                        int m0, int K, int ks, float (&tot)[32],
+                                        Ready ready = Ready()) {
+    wg_shares(wmap, xmap, n0, m0, K, ks, 0, ks, [&](int share, const float (&p)[32]) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) tot[i] = share == 0 ? p[i] : tot[i] + p[i];
+    }, ready);
 }
 
 // Calls put(n, m, value) for each of this thread's wg_tile sums that exists (n < N, m < M).
@@ -115,14 +129,51 @@ __device__ __forceinline__ void wg_outputs(const float (&tot)[32], int n0, int m
 
 // y[m, n] = bf16(W[n] . x[m]) over M token rows: a block a 64-row weight tile (blockIdx.y) and
 // 64 token rows (blockIdx.x: a weight tile's slabs neighbours in launch order, so all but the
-// first read its weights from L2). wmap / xmap: W [N, K] and x [M, K].
+// first read its weights from L2). wmap / xmap: W [N, K] and x [M, K]. o_proj has few tiles and
+// a long K (glm-5.3-flash: 64 tiles of K = 8192 against the SMs' 264 blocks), so gridDim.z > 1
+// splits each tile's ks shares over as many blocks: each writes its shares' sums to part
+// [tiles * slabs][ks][8][WG_THREADS] float4, and the last of a tile's blocks to finish (count
+// [tiles * slabs], zero between calls) adds them in share order, decode's bits.
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_BLOCKS_PER_SM)
 dense_gemv_wg(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
-              bf16* y, int N, int K, int M, int ldy, int ks) {
-    const int n0 = blockIdx.y * WG_TILE, m0 = blockIdx.x * WG_TILE;
+              bf16* y, int N, int K, int M, int ldy, int ks, float4* part, int* count) {
+    const int n0 = blockIdx.y * WG_TILE, m0 = blockIdx.x * WG_TILE, tid = threadIdx.x;
     float tot[32];
-    wg_tile(wmap, xmap, n0, m0, K, ks, tot);
-    wg_outputs(tot, n0, m0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+    auto store = [&]() {
+        wg_outputs(tot, n0, m0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
+    };
+    if (gridDim.z == 1) {
+        wg_tile(wmap, xmap, n0, m0, K, ks, tot);
+        store();
+        return;
+    }
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x, per = ks / gridDim.z;
+    float4* mine = part + (u64)tile * ks * 8 * WG_THREADS + tid;  // share s, j: [(8 s + j) * 128]
+    wg_shares(wmap, xmap, n0, m0, K, ks, blockIdx.z * per, (blockIdx.z + 1) * per,
+              [&](int share, const float (&p)[32]) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            mine[(8 * share + j) * WG_THREADS] = make_float4(p[4 * j], p[4 * j + 1], p[4 * j + 2],
+                                                             p[4 * j + 3]);
+    });
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&count[tile], 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other blocks' sums, seen after their count
+    for (int share = 0; share < ks; ++share) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float4 v = __ldcg(mine + (8 * share + j) * WG_THREADS);
+            const float s[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[4 * j + i] = share == 0 ? s[i] : tot[4 * j + i] + s[i];
+        }
+    }
+    store();
+    if (tid == 0) count[tile] = 0;
 }
 
 // front_end_slab (gemv.cu) on wg_tile: over M token rows, a block a 64-row tile of the

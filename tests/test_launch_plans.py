@@ -118,26 +118,35 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
 
 
 @pytest.mark.parametrize("cc", [90, 80])
-@pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256])
+@pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256, 257])
 def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to one column group,
     else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
     are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
-    from WG_FROM_ROWS rows on sm_90a the launches are gemv_wg.cu's, a block a 64-row tile of
-    weights and of tokens, the matrices by tensor maps. The front end's sync words hold a pair
-    a slab."""
+    on sm_90a from DENSE_WG_FROM_ROWS rows (o_proj) and WG_FROM_ROWS (the front end) the
+    launches are gemv_wg.cu's, a block a 64-row tile of weights and of tokens, the matrices by
+    tensor maps, o_proj's K shares split over grid z up to DENSE_SPLIT_ROWS rows. The front
+    end's sync words hold a pair a slab; o_proj's split scratch a count a (slab, tile) and a
+    64 x 64 fp32 tile for each of up to GEMV_WARPS shares."""
     cfg = synthetic.preset_config("kimi-linear-48b")
-    kn = Glm5NextKdaKernels(open_backend("host"), cfg)
+    host = open_backend("host", announce=False)
+
+    class H200Like(type(host)):
+        sm_count = 132
+
+    kn = Glm5NextKdaKernels(H200Like(), cfg)
     kn.use_build(cc)
     launched = []
     monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
                         launched.append((name, cfg_.grid, args)))
     p = [DevicePtr(16 * (i + 1)) for i in range(14)]
-    kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m)
+    part, count = DevicePtr(4096), DevicePtr(8192)
+    kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, part, count)
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
     (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
     wg = m >= kernels.WG_FROM_ROWS and cc == 90
+    dense_wg = m >= kernels.DENSE_WG_FROM_ROWS and cc == 90
     if wg:  # six matrices by tensor maps, then the slab kernel's arguments less w_in, x, f_b, g_b
         mats = [(f.ptr, f.rows, f.cols, f.ld) for f in front_args[:6]]
         k, r, ldg = cfg.hidden_size, cfg.rank, cfg.gate_in_width
@@ -148,12 +157,13 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     else:
         assert int(front_args[16]) == int(front_args[17]) == m
         assert tuple(front_args[:14]) == tuple(p)
-    if wg:  # the matrices by tensor maps, every row in the one launch
+    if dense_wg:  # the matrices by tensor maps, every row in the one launch
         wmap, xmap = dense_args[:2]
         assert (wmap.ptr, wmap.rows, wmap.cols, wmap.ld) == (p[0], cfg.hidden_size, cfg.qkv,
                                                             cfg.qkv)
         assert (xmap.ptr, xmap.rows, xmap.cols, xmap.ld) == (p[1], m, cfg.qkv, cfg.qkv)
         assert dense_args[2] == p[2] and int(dense_args[5]) == m
+        assert tuple(dense_args[-2:]) == (part, count)
     else:  # every row in the one launch, from the given pointers
         assert tuple(dense_args[:3]) == tuple(p[:3]) and int(dense_args[5]) == m
     if m <= kernels.GEMV_COLUMNS:
@@ -162,8 +172,7 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     else:
         if wg:  # a slab a WG_TILE of token rows, as the sync pairs count them
             assert kernels.WG_TILE == kernels.BATCH_SLAB_ROWS
-            assert (dense, front) == ("dense_gemv_wg", "front_end_wg")
-            assert dense_grid == (slabs, ceil_div(cfg.hidden_size, kernels.WG_TILE), 1)
+            assert front == "front_end_wg"
             tiles = [ceil_div(n, kernels.WG_TILE) for n in (cfg.gate_in_rows, cfg.conv_dim,
                                                              2 * cfg.qkv)]
             assert front_grid == (slabs, sum(tiles) + 1, 1) == (
@@ -171,11 +180,23 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
         else:
             assert front == "front_end_gemv_batch"
             assert front_grid == (slabs, kn._front_end_batch_plan[0], 1)
+        if dense_wg:  # kimi's o_proj: 8 shares, DENSE_SPLIT_SHARES a block up to the limit
+            ks = int(dense_args[7])
+            assert ks == 8 and dense == "dense_gemv_wg"
+            split = ks // kernels.DENSE_SPLIT_SHARES if m <= kernels.DENSE_SPLIT_ROWS else 1
+            tiles = ceil_div(cfg.hidden_size, kernels.WG_TILE)
+            assert dense_grid == (slabs, tiles, split)
+            assert kernels.dense_split_tiles(m, cfg.hidden_size) == tiles * min(
+                slabs, kernels.DENSE_SPLIT_ROWS // kernels.WG_TILE)
+        else:
             assert dense == "dense_gemv_bf16_batch"
             tiles = ceil_div(cfg.hidden_size, GEMV_TILE)
             assert dense_grid == (slabs, ceil_div(tiles, kernels.GEMV_SLAB_TILES_DENSE), 1)
     assert kernels.front_sync_words(m) == 2 * slabs
     assert workspace.buffer_nbytes(cfg, "front_sync", m) == 4 * 2 * slabs  # a pair a slab
+    pairs = kernels.dense_split_tiles(m, cfg.hidden_size)  # o_proj's split: one a (slab, tile)
+    assert workspace.buffer_nbytes(cfg, "dense_sync", m) == 4 * pairs
+    assert workspace.buffer_nbytes(cfg, "dense_part", m) == 4 * pairs * GEMV_WARPS * 64 * 64
 
 
 def test_batch_gemvs_take_the_slabs_where_the_tensor_copies_cannot_read(monkeypatch):
@@ -189,7 +210,7 @@ def test_batch_gemvs_take_the_slabs_where_the_tensor_copies_cannot_read(monkeypa
                         launched.append(name))
     p = [DevicePtr(4096 * (i + 1)) for i in range(14)]
     for x in (p[1], p[1] + 2, p[1] + 16):
-        kn.dense_gemv_bf16_batchm(0, p[0], x, p[2], cfg.hidden_size, cfg.qkv, 128)
+        kn.dense_gemv_bf16_batchm(0, p[0], x, p[2], cfg.hidden_size, cfg.qkv, 128, *p[3:5])
         kn.front_end_gemv(0, p[0], x, *p[2:], 128)
     assert launched == ["dense_gemv_wg", "front_end_wg", "dense_gemv_bf16_batch",
                         "front_end_gemv_batch", "dense_gemv_wg", "front_end_wg"]
@@ -223,7 +244,7 @@ def test_decode_walk_runs_in_one_wave(sm_count):
 def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
     overlap the launch before them: decode's own (up to GEMV_COLUMNS rows, kda_decode_rows) by
-    DECODE_OVERLAP, the batch kernels (slab GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
+    DECODE_OVERLAP, the batch kernels (the batch GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
     other kernel (prefill's), and a walk that may follow another walk (`stateful_row`), waits
     for the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
@@ -243,7 +264,7 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     d = env.cfg.head_dim
     own = {"front_end_gemv", "dense_gemv_bf16", f"kda_decode_rows_d{d}",
            f"kda_decode_rows_slot_d{d}"}
-    batched = {"front_end_gemv_batch", "dense_gemv_bf16_batch", f"kda_decode_batch_d{d}"}
+    batched = {"front_end_gemv_batch", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
     assert {name for name, _ in launched} >= own | batched
     for name, o in launched:
         assert o == (bool(single) and name in own or bool(batch) and name in batched), name

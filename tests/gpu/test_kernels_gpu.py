@@ -9,7 +9,7 @@ import pytest
 
 from kdarun import Glm5NextKdaKernels, synthetic
 from kdarun.dtypes import BF16
-from kdarun.kernels import GEMV_COLUMNS
+from kdarun.kernels import GEMV_COLUMNS, GEMV_WARPS, WG_TILE, dense_split_tiles
 
 
 def test_exported_shared_memory_reaches_the_launch(cuda):
@@ -30,12 +30,14 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
 
 
 @pytest.mark.parametrize("n, k, m", [(200, 136, 9), (130, 1000, 65), (64, 64, 200),
-                                     (2304, 4096, 64), (2304, 4096, 130)])
+                                     (2304, 4096, 64), (2304, 4096, 130), (2304, 4096, 300)])
 def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
-    """dense_gemv_bf16_batchm over m token rows (from WG_FROM_ROWS on sm_90a dense_gemv_wg, by
-    tensor maps and warpgroup MMAs; otherwise the slab kernel) equals decode's launch over each
-    8 of them, bit for bit, at shapes whose weight rows, token rows and K end inside a tile, a
-    slab, a stage and a TMA box; the output row past m keeps its poison."""
+    """dense_gemv_bf16_batchm over m token rows (from DENSE_WG_FROM_ROWS on sm_90a dense_gemv_wg,
+    by tensor maps and warpgroup MMAs, its K shares split over blocks up to DENSE_SPLIT_ROWS
+    rows; otherwise the slab kernel) equals decode's launch over each 8 of them, bit for bit,
+    twice in a row (the split's counts are left zero), at shapes whose weight rows, token rows
+    and K end inside a tile, a slab, a stage and a TMA box; the output row past m keeps its
+    poison."""
     kn = Glm5NextKdaKernels(cuda, synthetic.preset_config("tiny"))
     assert kn.wg == (cuda.compute_capability == 90 and cuda.has_wgmma)
     rng = np.random.default_rng(n + k + m)
@@ -43,13 +45,20 @@ def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
     x = cuda.upload(rng.standard_normal((m, k), np.float32).astype(BF16))
     poison = np.full((m + 1, n), np.nan, np.float32).astype(BF16)
     y, ref = cuda.upload(poison), cuda.upload(poison)
-    kn.dense_gemv_bf16_batchm(0, w, x, y, n, k, m)
+    tiles = dense_split_tiles(m, n)
+    part = cuda.upload(np.full((tiles * GEMV_WARPS, WG_TILE * WG_TILE), np.nan, np.float32))
+    count = cuda.upload(np.zeros(tiles, np.int32))
     for r0 in range(0, m, GEMV_COLUMNS):
         kn.dense_gemv_bf16_batchm(0, w, x + 2 * r0 * k, ref + 2 * r0 * n, n, k,
-                                  min(GEMV_COLUMNS, m - r0))
-    got, want = (cuda.download(p, (m + 1, n), BF16).view(np.uint16) for p in (y, ref))
-    assert np.array_equal(got[:m], want[:m])
-    assert np.array_equal(got[m], poison[m].view(np.uint16))
+                                  min(GEMV_COLUMNS, m - r0), part, count)
+    want = cuda.download(ref, (m + 1, n), BF16).view(np.uint16)
     assert np.isfinite(want[:m].view(BF16).astype(np.float32)).all()
-    for p in (w, x, y, ref):
+    for _ in range(2):
+        kn.dense_gemv_bf16_batchm(0, w, x, y, n, k, m, part, count)
+        got = cuda.download(y, (m + 1, n), BF16).view(np.uint16)
+        assert np.array_equal(got[:m], want[:m])
+        assert np.array_equal(got[m], poison[m].view(np.uint16))
+        assert not cuda.download(count, (tiles,), np.int32).any()
+        cuda.copy_h2d(y, poison, 0)
+    for p in (w, x, y, ref, part, count):
         cuda.free(p)
