@@ -59,10 +59,10 @@ WG_BLOCKS_PER_SM = 2  # gemv_wg.cu's blocks an SM (their __launch_bounds__)
 WG_FROM_ROWS = 65  # token rows from which the front end takes gemv_wg.cu: on the H200 its front
 # end ran 50 us in B = 64's chain against the slabs' 39 (perf-log v46), at B = 256 27 us faster
 DENSE_WG_FROM_ROWS = 9  # token rows from which o_proj's batch GEMV takes gemv_wg.cu (split in K)
-DENSE_SPLIT_ROWS = 64  # token rows up to which dense_gemv_wg splits a tile's K over blocks: on
-# the H200 at B = 16 / 64 o_proj took 17.5 / 18.1 us against 21.9 / 22.2 (kimi-linear-48b), 33.3 /
-# 31.2 against 40.9 / 42.2 (glm-5.3-flash); at B = 128 and 256 no faster (perf-log v48)
-DENSE_SPLIT_SHARES = 1  # K shares a block of that split takes
+DENSE_SPLIT_ROWS = 128  # token rows up to which dense_gemv_wg splits a tile's K over blocks: on
+# the H200 at B = 16 / 64 / 128 o_proj took 14.5 / 14.5 / 21.3 us against 21.9 / 22.2 / 22.8
+# (kimi-linear-48b), at B = 256 30.6 against 26.6 (perf-log v48)
+DENSE_SPLIT_SHARES = 2  # K shares a block of that split: fewer, longer blocks than one (v48)
 DECODE_SPLIT = 4  # blocks a head in kda_decode_rows (half as many past one wave: decode_split)
 DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch (a power of two)
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks

@@ -16,6 +16,7 @@
 constexpr int WG_BOX = WG_TILE * WG_TILE * 2;    // bytes of one box: WG_TILE rows of WG_TILE k
 constexpr int WG_HALVES = GEMV_STAGE_K / WG_TILE;  // boxes along k a stage and operand
 constexpr int WG_STAGE = 2 * WG_HALVES * WG_BOX;   // a stage: weights, then x
+constexpr int WG_REDUCE_LOADS = 4;                 // shares dense_gemv_wg's reducer loads at once
 static_assert(GEMV_STAGE_K % WG_TILE == 0, "whole boxes a stage");
 static_assert(WG_TILE * 2 == 128 && WG_THREADS == WARPGROUP,
               "a box row is the 128-byte swizzle's; a block is the m64 MMA's warpgroup");
@@ -163,14 +164,25 @@ dense_gemv_wg(const __grid_constant__ TensorMap wmap, const __grid_constant__ Te
     __syncthreads();
     if (!last) return;
     __threadfence();  // the other blocks' sums, seen after their count
-    for (int share = 0; share < ks; ++share) {
+    // the sums last on the launch's path: WG_REDUCE_LOADS shares' loads in flight at once
+    // (the accumulators are free by now), not one share's 8 at a time
+    for (int s0 = 0; s0 < ks; s0 += WG_REDUCE_LOADS) {
+        float4 v[WG_REDUCE_LOADS][8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const float4 v = __ldcg(mine + (8 * share + j) * WG_THREADS);
-            const float s[4] = {v.x, v.y, v.z, v.w};
+        for (int a = 0; a < WG_REDUCE_LOADS; ++a)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) tot[4 * j + i] = share == 0 ? s[i] : tot[4 * j + i] + s[i];
-        }
+            for (int j = 0; j < 8; ++j)
+                if (s0 + a < ks) v[a][j] = __ldcg(mine + (8 * (s0 + a) + j) * WG_THREADS);
+#pragma unroll
+        for (int a = 0; a < WG_REDUCE_LOADS; ++a)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (s0 + a >= ks) continue;
+                const float s[4] = {v[a][j].x, v[a][j].y, v[a][j].z, v[a][j].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    tot[4 * j + i] = s0 + a == 0 ? s[i] : tot[4 * j + i] + s[i];
+            }
     }
     store();
     if (tid == 0) count[tile] = 0;
