@@ -122,9 +122,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
                "resets its pair)", poison=False),
     BufferSpec("dense_part", lambda c, t, tp: (dense_split_tiles(t, c.hidden_size) * GEMV_WARPS,
                                                WG_TILE * WG_TILE), F32, False,
-               "[slabs * tiles, K shares, WG_TILE * WG_TILE] fp32",
-               "batched o_proj (kernels.dense_gemv_bf16_batchm): each K share's sums of a tile, "
-               "which the tile's last block adds in share order"),
+               "[slabs * tiles, K shares, WG_TILE * WG_TILE] fp32, each tile in dense_gemv_wg's "
+               "thread order", "batched o_proj (kernels.dense_gemv_bf16_batchm): each K "
+               "share's sums of a tile, which the tile's last block adds in share order"),
     BufferSpec("dense_sync", lambda c, t, tp: (dense_split_tiles(t, c.hidden_size),), I32, False,
                "[slabs * tiles] int32", "batched o_proj: a tile's blocks done with their shares; "
                "zero between calls (the last block resets it)", poison=False),

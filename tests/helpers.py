@@ -8,7 +8,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kdarun import KdaSeqState, prefill_windowed, reference
+from kdarun import KdaSeqState, open_backend, prefill_windowed, reference
+from kdarun.backend import GpuBackend
 from kdarun.dtypes import BF16
 from kdarun.loader import load_stack
 from kdarun.run import compare, random_hidden
@@ -23,6 +24,17 @@ STATE_TOL = 8e-3  # measured <= 4.0e-3
 # Stage-local: each stage fed the buffers the previous kernel actually wrote.
 BF16_OUT_TOL = 3e-3  # one bf16 rounding of the output: measured <= 1.8e-3
 FP32_TOL = 1e-4  # fp32 arithmetic only
+
+
+def host_with_sms(sm_count: int) -> GpuBackend:
+    """A host backend that reports `sm_count` SMs, so launch plans are those of a GPU that size
+    (132: the H200)."""
+    host = open_backend("host", announce=False)
+
+    class Sized(type(host)):
+        pass
+    Sized.sm_count = sm_count
+    return Sized()
 
 
 @contextmanager

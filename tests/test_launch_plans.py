@@ -12,7 +12,7 @@ from kdarun import kernels, open_backend, synthetic, workspace
 from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
-from .helpers import Env, assert_batch_matches_single, random_hidden
+from .helpers import Env, assert_batch_matches_single, host_with_sms, random_hidden
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -61,11 +61,7 @@ def test_the_portable_walk_spreads_its_warps_where_sms_would_idle(monkeypatch):
     KDARUN_WALK_ROWS forces a size of the portable walk (the Hopper walk has one), and any other
     value is refused."""
     host = open_backend("host", announce=False)
-
-    class H200Like(type(host)):
-        sm_count = 132
-
-    gpu, half = H200Like(), kernels.WALK_ROWS // 2
+    gpu, half = host_with_sms(132), kernels.WALK_ROWS // 2
     monkeypatch.delenv("KDARUN_WALK_ROWS", raising=False)
     kimi, glm = (synthetic.preset_config(p) for p in ("kimi-linear-48b", "glm-5.3-flash"))
     for cfg, rows in ((kimi, half), (glm, kernels.WALK_ROWS)):
@@ -129,12 +125,7 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     end's sync words hold a pair a slab; o_proj's split scratch a count a (slab, tile) and a
     64 x 64 fp32 tile for each of up to GEMV_WARPS shares."""
     cfg = synthetic.preset_config("kimi-linear-48b")
-    host = open_backend("host", announce=False)
-
-    class H200Like(type(host)):
-        sm_count = 132
-
-    kn = Glm5NextKdaKernels(H200Like(), cfg)
+    kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
     kn.use_build(cc)
     launched = []
     monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
@@ -222,14 +213,9 @@ def test_decode_walk_runs_in_one_wave(sm_count):
     DECODE_SPLIT blocks fit the SMs once, else half as many: on the H200 (132 SMs)
     kimi-linear-48b's 32 heads x 4 = 128 blocks, glm-5.3-flash's 64 heads x 2; both splits are
     built into the one kernel (recurrent.cu's decode_rows_split)."""
-    host = open_backend("host", announce=False)
-
-    class Sized(type(host)):
-        pass
-    Sized.sm_count = sm_count
     for preset in ("kimi-linear-48b", "glm-5.3-flash"):
         cfg = synthetic.preset_config(preset)
-        kn = Glm5NextKdaKernels(Sized(), cfg)
+        kn = Glm5NextKdaKernels(host_with_sms(sm_count), cfg)
         split = kn.decode_split
         assert split in (kernels.DECODE_SPLIT, kernels.DECODE_SPLIT // 2)
         fits = cfg.num_heads * kernels.DECODE_SPLIT <= sm_count

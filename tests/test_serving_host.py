@@ -12,7 +12,7 @@ from kdarun.pool import KdaStatePool
 
 from .helpers import (Env, assert_bad_entries_touch_nothing,
                       assert_bad_slot_of_one_touches_nothing, assert_batch_matches_single,
-                      assert_packed_matches_alone, bits, random_hidden)
+                      assert_packed_matches_alone, bits, host_with_sms, random_hidden)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,7 @@ def test_batch_split_runs_in_one_wave(sm_count, cc):
     blocks an SM as the build in use holds (use_build: three where it stages rows by bulk
     copies, two where registers hold them)."""
     cfg = synthetic.preset_config("kimi-linear-48b")
-    class Sized(type(open_backend("host", announce=False))):
-        pass
-    Sized.sm_count = sm_count
-    kn = Glm5NextKdaKernels(Sized(), cfg)
+    kn = Glm5NextKdaKernels(host_with_sms(sm_count), cfg)
     kn.use_build(cc)
     assert kn.cc == cc
     for bad in (100, 70, 90.0):  # past the device's own (the host stands in for 9.0), too old
