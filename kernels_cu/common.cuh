@@ -87,6 +87,14 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// The GEMVs' K order: a tile's `steps` stages of GEMV_STAGE_K fall into ks shares, each a run
+// of consecutive stages (the first steps % ks shares one more), summed apart and then added in
+// share order. Share j's run starts at share_first(j) and ends before share_first(j + 1);
+// every GEMV form (gemv.cu, gemv_wg.cu) takes it from here, so their rows' bits agree.
+__device__ __forceinline__ int share_first(int j, int steps, int ks) {
+    return j * (steps / ks) + min(j, steps % ks);
+}
+
 // Decode's launches overlap (programmatic dependent launch, sm_90 on; kdarun.kernels.DECODE_OVERLAP):
 // a kernel launched so may start while the kernel before it on the stream still runs. Before
 // prior_grid_sync it reads only what no kernel of the call writes (weights, the states, the

@@ -31,7 +31,9 @@ __device__ __forceinline__ float4 (*gemv_part())[32] {
 // W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 token rows (the MMA's N); true
 // in the warp that then holds the sums in out: rows n0+g and n0+g+8 at token columns 2t and
 // + 1 (lane = 4g + t). Every warp of the block must call it (it synchronises the block). Share
-// j of ks takes stages j, j+ks, ...; dimensions past K are zero-filled, rows past N read row
+// j of ks takes a run of consecutive stages (share_first; a run of a row's bytes streams 1-3%
+// faster in the batch GEMVs, where a block reads its shares in turn, than every ks-th stage:
+// docs/perf-log.md, v49); dimensions past K are zero-filled, rows past N read row
 // N-1 and are never stored. A token row's sums take the same MMAs in the same order for any M,
 // so a row's bits do not depend on the rows beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
 // prior_grid_sync, then ready(), run in every thread after the first stages' weight copies are
@@ -46,13 +48,14 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // 16-byte runs a row, a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
-    const int n = n0 < N ? (steps - share + ks - 1) / ks : 0;  // this warp's stages
+    const int first = share_first(share, steps, ks);
+    const int n = n0 < N ? share_first(share + 1, steps, ks) - first : 0;  // this warp's stages
     const int last = max(N - 1, 0);
     uint4* ring = stages + warp * GEMV_STAGES * SV;
     // stage j into slot u; run c of row r lands at c ^ (r & 7), so that ldmatrix's eight
     // row reads of one run column fall in eight different banks
     auto fill = [&](int j, int u) {
-        const int c = lane % RUNS, k = (share + ks * j) * GEMV_STAGE_K + 8 * c;
+        const int c = lane % RUNS, k = (first + j) * GEMV_STAGE_K + 8 * c;
 #pragma unroll
         for (int i = 0; i < GEMV_TILE * RUNS / 32; ++i) {
             const int r = (32 / RUNS) * i + lane / RUNS;
@@ -80,7 +83,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         }
     };
     for (int j = 0; j < n; ++j) {
-        const int k0 = (share + ks * j) * GEMV_STAGE_K;
+        const int k0 = (first + j) * GEMV_STAGE_K;
         unsigned b[GEMV_STAGE_K / 8];
         load_b(b, x0, g < M, k0);  // the x loads overlap the wait for the weights
         cp_wait<GEMV_STAGES - 1>();
@@ -202,8 +205,8 @@ __device__ __forceinline__ void front_end(
 // more bytes in flight than x from L2: the weights' ring is GEMV_SLAB_W_BYTES deep (less where
 // a block's shared memory cannot hold that beside x's: SMEM_PER_BLOCK), x's
 // GEMV_SLAB_X_STAGES; the first half of the warps copies weights and the second x, so each
-// half waits on its own commit groups. A warp walks the whole K: share 0's stages (0, ks,
-// 2 ks, ...), then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
+// half waits on its own commit groups. A warp walks the whole K in order: share 0's run of
+// stages, then share 1's, ..., each share's two MMA chains from zero and its sum c0 + c1
 // added to the running total in share order: exactly the MMAs, chains and sums of
 // gemv_tile's ks shares for every token row, so a row's bits are decode's.
 constexpr int SLAB_ROWS = 8 * GEMV_BATCH_GROUPS;  // token rows a block (a slab)
@@ -243,24 +246,15 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
     const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
     uint4* xring = ring + SW * WR * RUNS;
-    // This thread's stages go out in share order (share 0's k-blocks 0, ks, 2 ks, ..., then
-    // share 1's; shares below rem hold q + 1 stages, the rest q), followed by a cursor: no
-    // division a stage. Each thread copies one row run (8 c..) of rows PER apart from its
-    // first, so a copy's address is a base and a multiple of a constant stride. Rows past N
-    // (M) are zero-filled: no MMA result of theirs is stored (read).
-    int kb = 0, kshare = 0, kleft = q + (rem > 0);
-    auto advance = [&]() {
-        if (--kleft > 0) {
-            kb += ks;
-        } else {
-            kb = ++kshare;
-            kleft = q + (kshare < rem);
-        }
-    };
+    // The shares' runs of stages follow each other, so the block's u-th stage is k-block u
+    // (shares below rem hold q + 1 stages, the rest q). Each thread copies one row run (8 c..)
+    // of rows PER apart from its first, so a copy's address is a base and a multiple of a
+    // constant stride. Rows past N (M) are zero-filled: no MMA result of theirs is stored
+    // (read).
     const int r0 = ct / RUNS;  // this thread's first row of a pass
     const bf16* wrow = W + (u64)(n0 + r0) * K + 8 * c;
     auto fill_w = [&](int u) {  // the block's u-th stage into slot u % SW
-        const int k = kb * GEMV_STAGE_K;
+        const int k = u * GEMV_STAGE_K;
         const bool kin = k + 8 * c < K;
         uint4* st = ring + (u % SW) * WR * RUNS;
 #pragma unroll
@@ -270,11 +264,10 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
             cp_async16(st + r * RUNS + (c ^ (r & 7)), ok ? wrow + (u64)i * PER * K + k : W,
                        ok ? 16 : 0);
         }
-        advance();
     };
     const bf16* xrow = x + (u64)r0 * ldx + 8 * c;
     auto fill_x = [&](int u) {  // straight-line: a branch a copy cost ~20 instructions each
-        const int k = kb * GEMV_STAGE_K;
+        const int k = u * GEMV_STAGE_K;
         const bool kin = k + 8 * c < K;
         uint4* st = xring + (u % SX) * SLAB_ROWS * RUNS;
 #pragma unroll
@@ -284,7 +277,6 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
             cp_async16(st + m * RUNS + (c ^ (m & 7)), in ? xrow + (u64)i * PER * ldx + k : x,
                        in ? 16 : 0);
         }
-        advance();
     };
     if (copies_w)
 #pragma unroll

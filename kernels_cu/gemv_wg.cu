@@ -6,7 +6,7 @@
 // swizzle, zero fill past the matrices' ends) into a ring of WG_SLOTS stages, counted on the
 // slot's mbarrier, and a warpgroup multiplies 64 weight rows by 64 token rows by warpgroup MMAs
 // with both operands read from shared memory. The k order is decode's (gemv_tile): stages of
-// GEMV_STAGE_K, share j of ks taking stages j, j + ks, ...; even and odd k16 blocks in two
+// GEMV_STAGE_K, share j of ks taking a run of them (share_first); even and odd k16 blocks in two
 // chains, each from zero at a share's start; a share's c0 + c1 added to the running total in
 // share order. So a row's bits are decode's (tests/gpu/test_kernels_gpu.py checks them at
 // shapes that end inside a box).
@@ -36,17 +36,13 @@ __device__ __forceinline__ void wg_shares(const TensorMap& wmap, const TensorMap
     unsigned char* ring = (unsigned char*)(((u64)raw + 1023) & ~(u64)1023);  // swizzle atoms
     __shared__ u64 full[WG_SLOTS];
     const int tid = threadIdx.x;
-    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
-    auto kblock = [&](int u) {  // the u-th stage's k block, share-major (shares < rem: q + 1)
-        const int big = rem * (q + 1);
-        return u < big ? u / (q + 1) + ks * (u % (q + 1))
-                       : rem + (u - big) / q + ks * ((u - big) % q);
-    };
-    const int u0 = s0 * q + min(s0, rem), u1 = s1 * q + min(s1, rem);  // the shares' stages
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
+    // the shares' stages: share j's run is k-blocks share_first(j) .. share_first(j + 1) - 1
+    const int u0 = share_first(s0, steps, ks), u1 = share_first(s1, steps, ks);
     auto copy = [&](int u, bool w, bool x) {
         const int slot = (u - u0) % WG_SLOTS;
         unsigned char* st = ring + slot * WG_STAGE;
-        const int k = kblock(u) * GEMV_STAGE_K;
+        const int k = u * GEMV_STAGE_K;
         for (int h = 0; h < WG_HALVES; ++h) {
             const int kh = k + WG_TILE * h;
             if (w) tma_2d(st + h * WG_BOX, wmap, &full[slot], kh, n0);
@@ -72,7 +68,7 @@ __device__ __forceinline__ void wg_shares(const TensorMap& wmap, const TensorMap
     float c[2][32] = {};
     int u = u0, next = first;  // u: the stage read next; next: the stage copied next
     for (int share = s0; share < s1; ++share) {
-        const int n_st = q + (share < rem);
+        const int n_st = share_first(share + 1, steps, ks) - share_first(share, steps, ks);
         for (int i = 0; i < n_st; ++i, ++u) {
             const int slot = (u - u0) % WG_SLOTS;
             mbar_wait(&full[slot], ((u - u0) / WG_SLOTS) & 1);
