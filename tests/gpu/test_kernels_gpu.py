@@ -29,10 +29,12 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
     assert 48 * 1024 < smem[f"{walk[1]}_d64"] <= smem[f"{walk[1]}_d128"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("n, k, m", [(200, 136, 9), (130, 1000, 65), (64, 64, 200),
-                                     (2304, 4096, 64), (2304, 4096, 130), (2304, 4096, 300)])
+@pytest.mark.parametrize("n, k, m", [(200, 136, 9), (2304, 4096, 16), (200, 136, 17),
+                                     (130, 1000, 65), (64, 64, 200), (2304, 4096, 64),
+                                     (2304, 4096, 130), (2304, 4096, 300)])
 def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
-    """dense_gemv_bf16_batchm over m token rows (from DENSE_WG_FROM_ROWS on sm_90a dense_gemv_wg,
+    """dense_gemv_bf16_batchm over m token rows (up to two column groups decode's launch in its
+    _x2 entry; past them from DENSE_WG_FROM_ROWS on sm_90a dense_gemv_wg,
     by tensor maps and warpgroup MMAs, its K shares split over blocks up to DENSE_SPLIT_ROWS
     rows; otherwise the slab kernel) equals decode's launch over each 8 of them, bit for bit,
     twice in a row (the split's counts are left zero), at shapes whose weight rows, token rows

@@ -20,7 +20,7 @@ from ..helpers import (Env, assert_bad_entries_touch_nothing,
                        assert_packed_matches_alone, bits, forced_core)
 
 
-@pytest.mark.parametrize("B", [1, 3, 8, 64, 100])
+@pytest.mark.parametrize("B", [1, 3, 8, 14, 64, 100])  # 14 + 2 padding rows: two groups
 def test_decode_batch_bit_identical_to_decode(pair, B):
     cu, _ = pair
     assert_batch_matches_single(cu, B, 1, seed=100 + B)
