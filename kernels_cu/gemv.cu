@@ -33,15 +33,16 @@ __device__ __forceinline__ float4 (*gemv_part())[G][32] {
 
 // W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 G token rows (G column groups of
 // the MMA's N = 8); true in the warp that then holds the sums in out: out[gi] rows n0+g and
-// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call it (it synchronises the block). Share
-// j of ks takes a run of consecutive stages (share_first; a run of a row's bytes streams 1-3%
-// faster in the batch GEMVs, where a block reads its shares in turn, than every ks-th stage:
-// docs/perf-log.md, v49); dimensions past K are zero-filled, rows past N read row
-// N-1 and are never stored. A token row's sums take the same MMAs in the same order for any M,
-// so a row's bits do not depend on the rows beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
-// prior_grid_sync, then ready(), run in every thread after the first stages' weight copies are
-// issued and before any x is read, so a block whose x is still being written (by the kernel
-// before, or by blocks of this one) waits with its weights in flight.
+// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call
+// it (it synchronises the block). Share j of ks takes a run of consecutive stages (share_first;
+// a run of a row's bytes streams 1-3% faster in the batch GEMVs, where a block reads its shares
+// in turn, than every ks-th stage: docs/perf-log.md, v49); dimensions past K are zero-filled,
+// rows past N read row N-1 and are never stored. A token row's sums take the same MMAs in the
+// same order for any M, so a row's bits do not depend on the rows beside it. COHERENT reads x
+// through L2 only: x that other blocks of the launch wrote; prior_grid_sync, then ready(), run
+// in every thread after the first stages' weight copies are issued and before any x is read, so
+// a block whose x is still being written (by the kernel before, or by blocks of this one) waits
+// with its weights in flight.
 template <int G, bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
@@ -77,9 +78,9 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     float c[G][2][4] = {};  // a group's even and odd k16 blocks: two shorter chains of MMAs
     // token row m at k0 + 16q + 8h + 2t, +1: the B fragments, from xr = row m's; group gi takes
     // rows 8 gi.. (one with no row takes no MMA)
-    const bf16* xr[G];  // this lane's row of each group
+    const bf16* xrow[G];  // this lane's row of each group
 #pragma unroll
-    for (int gi = 0; gi < G; ++gi) xr[gi] = x + (u64)min(8 * gi + g, M - 1) * ldx + 2 * t;
+    for (int gi = 0; gi < G; ++gi) xrow[gi] = x + (u64)min(8 * gi + g, M - 1) * ldx + 2 * t;
     auto has_rows = [&](int gi) { return gi == 0 || 8 * gi < M; };
     auto load_b = [&](unsigned (&b)[GEMV_STAGE_K / 8], const bf16* xr, bool valid, int k0) {
 #pragma unroll
@@ -94,7 +95,7 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         unsigned b[G][GEMV_STAGE_K / 8];
 #pragma unroll
         for (int gi = 0; gi < G; ++gi)  // the x loads overlap the wait for the weights
-            if (has_rows(gi)) load_b(b[gi], xr[gi], 8 * gi + g < M, k0);
+            if (has_rows(gi)) load_b(b[gi], xrow[gi], 8 * gi + g < M, k0);
         cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
         const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;

@@ -117,8 +117,9 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64, 65, 256, 257])
 def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to DECODE_GEMV_GROUPS
-    column groups (its _x2 entries past one), else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
-    are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
+    column groups (its _x2 entries past one), else one launch of every 64-row slab side by
+    side (grid x, so that a weight block's slabs are neighbours in launch order), each slab's
+    blocks (grid y) those of a single slab's plan;
     on sm_90a from DENSE_WG_FROM_ROWS rows (o_proj) and WG_FROM_ROWS (the front end) the
     launches are gemv_wg.cu's, a block a 64-row tile of weights and of tokens, the matrices by
     tensor maps, o_proj's K shares split over grid z up to DENSE_SPLIT_ROWS rows. The front
@@ -234,9 +235,9 @@ def test_decode_walk_runs_in_one_wave(sm_count):
 def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
     overlap the launch before them: decode's own (its GEMV entries up to DECODE_GEMV_GROUPS
-    column groups, kda_decode_rows) by DECODE_OVERLAP, the batch kernels (the batch GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
-    other kernel (prefill's), and a walk that may follow another walk (`stateful_row`), waits
-    for the one before."""
+    column groups, kda_decode_rows) by DECODE_OVERLAP, the batch kernels (the batch GEMVs,
+    kda_decode_batch) by BATCH_OVERLAP; every other kernel (prefill's), and a walk that may
+    follow another walk (`stateful_row`), waits for the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
     monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
     env = Env(host, ckpts["bounded"], 256)
