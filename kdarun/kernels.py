@@ -45,7 +45,8 @@ GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
 GEMV_STAGES = 3  # stages a GEMV warp keeps in flight where they fit (gemv_stages)
 GEMV_BLOCKS_PER_SM = 2  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
-DECODE_GEMV_GROUPS = 2  # column groups decode's GEMV launches serve (1, or 2: the _x2 entries)
+DECODE_GEMV_GROUPS = 1  # column groups decode's GEMV launches serve: 1, or 2 (the _x2 entries,
+# batches of 9-16 rows; not yet timed on a GPU, perf-log v50)
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
 BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds: sm_90 / 100 (one elsewhere)

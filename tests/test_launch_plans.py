@@ -113,9 +113,10 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
         Glm5NextKdaKernels(host, cfg, core="fast")
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("cc", [90, 80])
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64, 65, 256, 257])
-def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
+def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, groups, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to DECODE_GEMV_GROUPS
     column groups (its _x2 entries past one), else one launch of every 64-row slab side by
     side (grid x, so that a weight block's slabs are neighbours in launch order), each slab's
@@ -125,6 +126,7 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     tensor maps, o_proj's K shares split over grid z up to DENSE_SPLIT_ROWS rows. The front
     end's sync words hold a pair a slab; o_proj's split scratch a count a (slab, tile) and a
     64 x 64 fp32 tile for each of up to GEMV_WARPS shares."""
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
     kn.use_build(cc)
@@ -240,6 +242,7 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     follow another walk (`stateful_row`), waits for the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
     monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)  # 9 rows take the _x2 entries
     env = Env(host, ckpts["bounded"], 256)
     launched: list[tuple[str, bool]] = []
     launch = host.launch
