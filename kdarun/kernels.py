@@ -239,9 +239,8 @@ def _overlap(batch: bool = False) -> bool:
     """Whether a launch of decode's kernels (its GEMVs and stateful walks, which call
     prior_grid_sync) may overlap the launch before it: DECODE_OVERLAP for decode's own
     launches (its GEMV entries, `_decode_gemv`, and kda_decode_rows), BATCH_OVERLAP for the
-    batch kernels
-    (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py can switch
-    them."""
+    batch kernels (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py
+    can switch them."""
     return bool(BATCH_OVERLAP if batch else DECODE_OVERLAP)
 
 
