@@ -387,7 +387,8 @@ def tp_round(gpu, acc, y, n):
 
 HOST_KERNELS: dict[str, dict] = {
     "gemv": {"dense_gemv_bf16": dense_gemv_bf16, "front_end_gemv": front_end_gemv,
-             "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv},
+             "dense_gemv_bf16_batch": dense_gemv_bf16, "front_end_gemv_batch": front_end_gemv,
+             "dense_gemv_bf16_x2": dense_gemv_bf16, "front_end_gemv_x2": front_end_gemv},
     "gemv_wg": {"dense_gemv_wg": dense_gemv_wg, "front_end_wg": front_end_wg},
     "gate": {"kda_gate_beta": kda_gate_beta},
     "conv": {"prefill_conv_qkv": prefill_conv_qkv, "prefill_conv_qkv_w4": prefill_conv_qkv,

@@ -45,6 +45,8 @@ GEMV_STAGE_K = 128  # k a GEMV stage: each of its rows' 256 bytes
 GEMV_STAGES = 3  # stages a GEMV warp keeps in flight where they fit (gemv_stages)
 GEMV_BLOCKS_PER_SM = 2  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
+DECODE_GEMV_GROUPS = 2  # column groups decode's GEMV launches serve: 1, or 2 (the _x2 entries,
+# batches of 9-16 rows: up to 12% faster than the batch kernels on the H200, perf-log v50)
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
 BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds: sm_90 / 100 (one elsewhere)
@@ -97,7 +99,8 @@ def front_sync_words(rows: int) -> int:
 def dense_split_tiles(rows: int, n: int) -> int:
     """dense_gemv_wg's (slab, tile) pairs whose K it may split over blocks, for up to `rows`
     token rows of n outputs: the slabs of up to DENSE_SPLIT_ROWS rows times the 64-row weight
-    tiles; 1 where rows take decode's launch (a buffer is never empty)."""
+    tiles; 1 up to GEMV_COLUMNS rows, which take decode's launch at any DECODE_GEMV_GROUPS (a
+    buffer is never empty)."""
     if rows <= GEMV_COLUMNS:
         return 1
     return _blocks(min(rows, DENSE_SPLIT_ROWS), WG_TILE) * _blocks(n, WG_TILE)
@@ -235,9 +238,9 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
 def _overlap(batch: bool = False) -> bool:
     """Whether a launch of decode's kernels (its GEMVs and stateful walks, which call
     prior_grid_sync) may overlap the launch before it: DECODE_OVERLAP for decode's own
-    launches (up to GEMV_COLUMNS rows, kda_decode_rows), BATCH_OVERLAP for the batch kernels
-    (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py can switch
-    them."""
+    launches (its GEMV entries, `_decode_gemv`, and kda_decode_rows), BATCH_OVERLAP for the
+    batch kernels (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py
+    can switch them."""
     return bool(BATCH_OVERLAP if batch else DECODE_OVERLAP)
 
 
@@ -330,6 +333,16 @@ class Glm5NextKdaKernels:
         return _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
 
     @staticmethod
+    def _decode_gemv(name: str, m: int) -> str | None:
+        """The entry of decode's GEMV `name` (dense_gemv_bf16, front_end_gemv) that serves m
+        token rows on decode's launch plan, or None past DECODE_GEMV_GROUPS column groups: up
+        to GEMV_COLUMNS rows the entry itself, up to twice that its _x2 form (two groups)."""
+        if DECODE_GEMV_GROUPS not in (1, 2):
+            raise KdaError(f"DECODE_GEMV_GROUPS: expected 1 or 2, got {DECODE_GEMV_GROUPS}")
+        groups = _blocks(m, GEMV_COLUMNS)
+        return None if groups > DECODE_GEMV_GROUPS else name if groups == 1 else f"{name}_x2"
+
+    @staticmethod
     def _gemv_launch(blocks: int) -> LaunchConfig:
         """Decode's GEMV launch (dense_gemv_bf16, front_end_gemv): blocks of GEMV_WARPS warps,
         overlapping the launch before (DECODE_OVERLAP)."""
@@ -379,7 +392,8 @@ class Glm5NextKdaKernels:
                                n: int, k: int, m: int, part: DevicePtr, count: DevicePtr) -> None:
         """y[m, n] = bf16(W[n, k] @ x[m, k]) for m dense rows; each row's K order and
         reduction tree is the same for any m, so m rows are bit-identical to m single calls.
-        Up to GEMV_COLUMNS rows take decode's launch; from DENSE_WG_FROM_ROWS on sm_90a one
+        Up to DECODE_GEMV_GROUPS column groups of GEMV_COLUMNS rows take decode's launch
+        (`_decode_gemv`); past them from DENSE_WG_FROM_ROWS on sm_90a one
         launch of dense_gemv_wg, a block a WG_TILE-row weight tile and WG_TILE token rows (grid
         x: a tile's slabs at once), up to DENSE_SPLIT_ROWS rows its K shares split over grid z,
         DENSE_SPLIT_SHARES a block, through part [dense_split_tiles(m, n) * GEMV_WARPS,
@@ -388,8 +402,8 @@ class Glm5NextKdaKernels:
         side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
-        if m <= GEMV_COLUMNS:
-            name, cfg = "dense_gemv_bf16", self._gemv_launch(self._gemv_blocks(n, ks))
+        if name := self._decode_gemv("dense_gemv_bf16", m):
+            cfg = self._gemv_launch(self._gemv_blocks(n, ks))
         elif self._wg_takes(m, DENSE_WG_FROM_ROWS, (w, k), (x, k)):
             per = min(DENSE_SPLIT_SHARES, ks)  # both powers of two: per divides ks
             if per < 1 or per & (per - 1):
@@ -458,8 +472,9 @@ class Glm5NextKdaKernels:
                        a_log: DevicePtr, dt_bias: DevicePtr, g_raw: DevicePtr,
                        out_gate: DevicePtr, gate: DevicePtr, beta: DevicePtr, sync: DevicePtr,
                        m: int) -> None:
-        """Decode's front end over m rows of hidden [m, hidden] bf16 in one launch (the slabs
-        of BATCH_SLAB_ROWS rows side by side where m passes GEMV_COLUMNS: from WG_FROM_ROWS on
+        """Decode's front end over m rows of hidden [m, hidden] bf16 in one launch (decode's
+        own up to DECODE_GEMV_GROUPS column groups, `_decode_gemv`; past them the slabs
+        of BATCH_SLAB_ROWS rows side by side: from WG_FROM_ROWS on
         sm_90a front_end_wg's WG_TILE-row tiles, otherwise the slab kernel's): the packed
         projection, q|k|v to qkv_proj [m, conv_dim] and qkv_parts [3, m, qkv] and f_a|g_a|b to
         gate_in [m, gate_in_width], then from f_a|g_a|b g_raw and the forget gate [m, qkv],
@@ -468,9 +483,9 @@ class Glm5NextKdaKernels:
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         gate_args = (i32(c.num_heads), i32(c.head_dim), i32(c.rank), *self._gate_form())
-        if m <= GEMV_COLUMNS:
+        if name := self._decode_gemv("front_end_gemv", m):
             blocks, shares = self._front_end_plan
-            name, cfg = "front_end_gemv", self._gemv_launch(blocks)
+            cfg = self._gemv_launch(blocks)
         else:
             k, r, ldg = c.hidden_size, c.rank, c.gate_in_width
             g_a = gate_in + BF16.itemsize * r  # gate_in's columns from r

@@ -6,9 +6,11 @@
 // straight into MMA fragments take 64 bytes from each of 8 rows per instruction, and that
 // pattern streamed slower than whole 256-byte runs (docs/perf-log.md, v6). It multiplies on
 // tensor cores (fragments by ldmatrix) with the up to MAX_DECODE_ROWS token rows of decode_k as
-// the MMA's columns, so K rows cost the same instructions as one. The k order, the MMA chains and the sum over shares are
-// fixed and an output column depends on no other column: decode_k is bit-identical to K
-// decodes.
+// the MMA's columns, so K rows cost the same instructions as one; the _x2 entries take two
+// column groups of 8 (up to 16 token rows: a small batch streams each weight once on decode's
+// rings, where the slab kernels walk a tile's whole K in one warp). The k order, the MMA chains
+// and the sum over shares are fixed and an output column depends on no other column: decode_k
+// is bit-identical to K decodes, a batch's rows to decode's.
 #include "front_end.cuh"
 
 
@@ -21,30 +23,32 @@ __device__ __forceinline__ int gemv_tile_index(int block, int ks) {
 // The warps' rings, the GEMV kernels' dynamic shared memory.
 constexpr int GEMV_RING_BYTES = GEMV_WARPS * GEMV_STAGES * GEMV_TILE * GEMV_STAGE_K * 2;
 
-// The shares' partial sums [GEMV_WARPS][32]: one array for every gemv_tile of a kernel
+// The shares' partial sums [GEMV_WARPS][G][32]: one array for every gemv_tile of a kernel
 // (front_end_gemv's two would otherwise take two).
-__device__ __forceinline__ float4 (*gemv_part())[32] {
-    __shared__ float4 part[GEMV_WARPS][32];
+template <int G>
+__device__ __forceinline__ float4 (*gemv_part())[G][32] {
+    __shared__ float4 part[GEMV_WARPS][G][32];
     return part;
 }
 
-// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 token rows (the MMA's N); true
-// in the warp that then holds the sums in out: rows n0+g and n0+g+8 at token columns 2t and
-// + 1 (lane = 4g + t). Every warp of the block must call it (it synchronises the block). Share
-// j of ks takes a run of consecutive stages (share_first; a run of a row's bytes streams 1-3%
-// faster in the batch GEMVs, where a block reads its shares in turn, than every ks-th stage:
-// docs/perf-log.md, v49); dimensions past K are zero-filled, rows past N read row
-// N-1 and are never stored. A token row's sums take the same MMAs in the same order for any M,
-// so a row's bits do not depend on the rows beside it. COHERENT reads x through L2 only: x that other blocks of the launch wrote;
-// prior_grid_sync, then ready(), run in every thread after the first stages' weight copies are
-// issued and before any x is read, so a block whose x is still being written (by the kernel
-// before, or by blocks of this one) waits with its weights in flight.
-template <bool COHERENT = false, typename Ready = NoWait>
+// W[n0 : n0+16, :K] x[:M, :K]^T for this warp's tile, M <= 8 G token rows (G column groups of
+// the MMA's N = 8); true in the warp that then holds the sums in out: out[gi] rows n0+g and
+// n0+g+8 at token columns 8 gi + 2t and + 1 (lane = 4g + t). Every warp of the block must call
+// it (it synchronises the block). Share j of ks takes a run of consecutive stages (share_first;
+// a run of a row's bytes streams 1-3% faster in the batch GEMVs, where a block reads its shares
+// in turn, than every ks-th stage: docs/perf-log.md, v49); dimensions past K are zero-filled,
+// rows past N read row N-1 and are never stored. A token row's sums take the same MMAs in the
+// same order for any M, so a row's bits do not depend on the rows beside it. COHERENT reads x
+// through L2 only: x that other blocks of the launch wrote; prior_grid_sync, then ready(), run
+// in every thread after the first stages' weight copies are issued and before any x is read, so
+// a block whose x is still being written (by the kernel before, or by blocks of this one) waits
+// with its weights in flight.
+template <int G, bool COHERENT = false, typename Ready = NoWait>
 __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int K,
                                           const bf16* __restrict__ x, int M, int ldx, int n0,
-                                          int ks, float (&out)[4], Ready ready = Ready()) {
+                                          int ks, float (&out)[G][4], Ready ready = Ready()) {
     extern __shared__ uint4 stages[];  // [GEMV_WARPS][GEMV_STAGES][GEMV_TILE][GEMV_STAGE_K / 8]
-    float4 (*part)[32] = gemv_part();
+    float4 (*part)[G][32] = gemv_part<G>();
     constexpr int RUNS = GEMV_STAGE_K / 8, SV = GEMV_TILE * RUNS;  // 16-byte runs a row, a stage
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int share = warp % ks, steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
@@ -71,9 +75,13 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     prior_grid_sync();  // x may be the previous kernel's output
     ready();
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's row
-    float c[2][4] = {};  // even and odd k16 blocks: two shorter chains of dependent MMAs
-    // token row m at k0 + 16q + 8h + 2t, +1: the B fragments, from xr = row m's
-    const bf16* x0 = x + (u64)min(g, M - 1) * ldx + 2 * t;  // this lane's row
+    float c[G][2][4] = {};  // a group's even and odd k16 blocks: two shorter chains of MMAs
+    // token row m at k0 + 16q + 8h + 2t, +1: the B fragments, from xr = row m's; group gi takes
+    // rows 8 gi.. (one with no row takes no MMA)
+    const bf16* xrow[G];  // this lane's row of each group
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) xrow[gi] = x + (u64)min(8 * gi + g, M - 1) * ldx + 2 * t;
+    auto has_rows = [&](int gi) { return gi == 0 || 8 * gi < M; };
     auto load_b = [&](unsigned (&b)[GEMV_STAGE_K / 8], const bf16* xr, bool valid, int k0) {
 #pragma unroll
         for (int i = 0; i < GEMV_STAGE_K / 8; ++i) {
@@ -84,8 +92,10 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
     };
     for (int j = 0; j < n; ++j) {
         const int k0 = (first + j) * GEMV_STAGE_K;
-        unsigned b[GEMV_STAGE_K / 8];
-        load_b(b, x0, g < M, k0);  // the x loads overlap the wait for the weights
+        unsigned b[G][GEMV_STAGE_K / 8];
+#pragma unroll
+        for (int gi = 0; gi < G; ++gi)  // the x loads overlap the wait for the weights
+            if (has_rows(gi)) load_b(b[gi], xrow[gi], 8 * gi + g < M, k0);
         cp_wait<GEMV_STAGES - 1>();
         __syncwarp();
         const uint4* st = ring + (j % GEMV_STAGES) * SV + row * RUNS;
@@ -93,46 +103,57 @@ __device__ __forceinline__ bool gemv_tile(const bf16* __restrict__ W, int N, int
         for (int q = 0; q < GEMV_STAGE_K / 16; ++q) {
             unsigned a[4];
             ldmatrix_x4(a, st + ((2 * q + (mi >> 1)) ^ (row & 7)));
-            mma_bf16(c[q & 1], a, b + 2 * q);
+#pragma unroll
+            for (int gi = 0; gi < G; ++gi)
+                if (has_rows(gi)) mma_bf16(c[gi][q & 1], a, b[gi] + 2 * q);
         }
         __syncwarp();  // the whole warp is done with this slot before it is refilled
         if (j + GEMV_STAGES < n) fill(j + GEMV_STAGES, j % GEMV_STAGES);
         cp_commit();
     }
-    part[warp][lane] = make_float4(c[0][0] + c[1][0], c[0][1] + c[1][1], c[0][2] + c[1][2],
-                                   c[0][3] + c[1][3]);
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi)
+        part[warp][gi][lane] = make_float4(c[gi][0][0] + c[gi][1][0], c[gi][0][1] + c[gi][1][1],
+                                           c[gi][0][2] + c[gi][1][2], c[gi][0][3] + c[gi][1][3]);
     __syncthreads();
     if (share != 0 || n0 >= N) return false;
-    float4 s = part[warp][lane];
-    for (int w = 1; w < ks; ++w) {
-        const float4 p = part[warp + w][lane];
-        s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) {
+        float4 s = part[warp][gi][lane];
+        for (int w = 1; w < ks; ++w) {
+            const float4 p = part[warp + w][gi][lane];
+            s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+        }
+        out[gi][0] = s.x, out[gi][1] = s.y, out[gi][2] = s.z, out[gi][3] = s.w;
     }
-    out[0] = s.x, out[1] = s.y, out[2] = s.z, out[3] = s.w;
     return true;
 }
 
 // Calls put(n, m, value) for each of this lane's outputs that exists (n < N, m < M).
-template <typename F>
-__device__ __forceinline__ void tile_outputs(const float (&out)[4], int n0, int N, int M, F put) {
+template <int G, typename F>
+__device__ __forceinline__ void tile_outputs(const float (&out)[G][4], int n0, int N, int M,
+                                             F put) {
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int n = n0 + g + 8 * (i >> 1), m = 2 * t + (i & 1);
-        if (n < N && m < M) put(n, m, out[i]);
-    }
+    for (int gi = 0; gi < G; ++gi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = n0 + g + 8 * (i >> 1), m = 8 * gi + 2 * t + (i & 1);
+            if (n < N && m < M) put(n, m, out[gi][i]);
+        }
 }
 
 // y[m, n] = bf16(W[n] . x[m]): the o_proj of decode. Nothing sends its weights into L2 ahead of
 // its copies: every block sending all its rows as it started (67 MB at glm-5.3-flash, more than
 // L2 holds) evicted lines before they were read, 4 us slower, and the walk ahead of it sending
 // the first 16 MB delayed the walk more than it saved (docs/perf-log.md, v43).
+template <int G>
 __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x,
                                            bf16* __restrict__ y, int N, int K, int M, int ldx,
                                            int ldy, int ks) {
     const int n0 = gemv_tile_index(blockIdx.x, ks) * GEMV_TILE;
-    float out[4];
-    if (!gemv_tile(W, N, K, x, M, ldx, n0, ks, out)) return;
+    float out[G][4];
+    if (!gemv_tile<G>(W, N, K, x, M, ldx, n0, ks, out)) return;
     tile_outputs(out, n0, N, M, [&](int n, int m, float v) { y[(u64)m * ldy + n] = f2bf(v); });
 }
 
@@ -147,6 +168,7 @@ __device__ __forceinline__ void dense_gemv(const bf16* __restrict__ W, const bf1
 // more blocks than the SMs hold relies on it). The gate blocks wait with their first f_b / g_b
 // weights in flight and compute while the q|k|v tiles still stream: the gates cost no launch
 // and no wave of their own.
+template <int G>
 __device__ __forceinline__ void front_end(
     const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ gate_in,
     bf16* __restrict__ qkv_parts, bf16* __restrict__ qkv_proj, const bf16* __restrict__ f_b,
@@ -163,8 +185,8 @@ __device__ __forceinline__ void front_end(
         const int i = gemv_tile_index(is_early ? blockIdx.x : blockIdx.x - early_blocks, s);
         const int n0 = is_early ? (i < early ? (first + i) * GEMV_TILE : N)  // N: a spare warp
                                 : (i < first ? i * GEMV_TILE : N);
-        float out[4];
-        if (!gemv_tile(W, N, K, x, M, K, n0, s, out)) return;
+        float out[G][4];
+        if (!gemv_tile<G>(W, N, K, x, M, K, n0, s, out)) return;
         tile_outputs(out, n0, N, M, [&](int n, int m, float v) {
             proj_store(qkv_proj, qkv_parts, gate_in, qkv, P, ldg, n, m, v);
         });
@@ -185,8 +207,8 @@ __device__ __forceinline__ void front_end(
         const int n0 = gemv_tile_index(gb, ks_gate) * GEMV_TILE;
         const bool is_f = n0 < qkv;
         const int c0 = is_f ? n0 : n0 - qkv, rows = n0 < 2 * qkv ? qkv : 0;  // 0: a spare tile
-        float out[4];
-        if (gemv_tile<true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
+        float out[G][4];
+        if (gemv_tile<G, true>(is_f ? f_b : g_b, rows, R, is_f ? f_a : f_a + R, M, ldg, c0,
                                ks_gate, out, gate_wait))  // f_b / g_b load while tiles finish
             tile_outputs(out, c0, qkv, M, [&](int c, int m, float v) {
                 gate_store(is_f, g_raw, gate, out_gate, a_log, dt_bias, qkv, D, lower_bound,
@@ -244,10 +266,10 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const bool copies_w = warp < GEMV_WARPS / 2;
     const int ct = tid % (16 * GEMV_WARPS), c = tid % RUNS;  // this thread in its half
     const int tile = warp / (GEMV_WARPS / TB), g0 = warp % (GEMV_WARPS / TB) * TB;
-    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K, q = steps / ks, rem = steps % ks;
+    const int steps = (K + GEMV_STAGE_K - 1) / GEMV_STAGE_K;
     uint4* xring = ring + SW * WR * RUNS;
     // The shares' runs of stages follow each other, so the block's u-th stage is k-block u
-    // (shares below rem hold q + 1 stages, the rest q). Each thread copies one row run (8 c..)
+    // (share j's run ends before share_first(j + 1)). Each thread copies one row run (8 c..)
     // of rows PER apart from its first, so a copy's address is a base and a multiple of a
     // constant stride. Rows past N (M) are zero-filled: no MMA result of theirs is stored
     // (read).
@@ -295,7 +317,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
     const bool mine = n0 + tile * GEMV_TILE < N;
     const int mi = lane >> 3, row = (mi & 1) * 8 + (lane & 7);  // ldmatrix: this lane's A row
     float acc[TB][2][4] = {};  // even and odd k16 blocks, as gemv_tile's chains
-    int share = 0, left = q + (rem > 0);  // stages left in this share
+    int share = 0, end = share_first(1, steps, ks);  // the stage past this share's run
     for (int idx = 0; idx < steps; ++idx) {
         if (copies_w) cp_wait<SW - 2>();
         else cp_wait<SX - 2>();
@@ -330,7 +352,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
                     if (8 * (g0 + gi) < M) mma_bf16(acc[gi][1], a[2 * k32 + 1], b[gi] + 2);
             }
         }
-        if (--left == 0) {  // the end of a share: its sum into the total, in share order
+        if (idx + 1 == end) {  // the end of a share: its sum into the total, in share order
 #pragma unroll
             for (int gi = 0; gi < TB; ++gi)
 #pragma unroll
@@ -340,7 +362,7 @@ __device__ __forceinline__ bool gemv_slab(const bf16* __restrict__ W, int N, int
                     acc[gi][0][i] = acc[gi][1][i] = 0.0f;
                 }
             ++share;
-            left = q + (share < rem);
+            end = share_first(share + 1, steps, ks);
         }
     }
     return mine;
@@ -440,12 +462,18 @@ __device__ __forceinline__ void front_end_slab(
 }
 
 // The entries: decode's and decode_k's (up to 8 token rows, one column group: the most blocks
-// an SM), and the batches' (any rows, SLAB_ROWS a block, every weight read once a slab).
+// an SM), the _x2 forms of them (up to 16 rows, two groups), and the batches' (any rows,
+// SLAB_ROWS a block, every weight read once a slab).
 // Their dynamic shared memory (the rings) is exported for the CUDA backend.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
 dense_gemv_bf16(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx, int ldy,
                 int ks) {
-    dense_gemv(W, x, y, N, K, M, ldx, ldy, ks);
+    dense_gemv<1>(W, x, y, N, K, M, ldx, ldy, ks);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_PER_SM)
+dense_gemv_bf16_x2(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx,
+                   int ldy, int ks) {
+    dense_gemv<2>(W, x, y, N, K, M, ldx, ldy, ks);
 }
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMV_BATCH_BLOCKS_PER_SM)
 dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, int N, int K, int M, int ldx,
@@ -463,11 +491,14 @@ dense_gemv_bf16_batch(const bf16* W, const bf16* x, bf16* y, int N, int K, int M
              gate, beta, sync, N, K, M, P, ldg, H, D, R, lower_bound, bounded, ks, ks_early,    \
              ks_gate, early_blocks, proj_blocks);                                               \
     }
-FRONT_END_ENTRY(front_end_gemv, GEMV_BLOCKS_PER_SM, front_end)
+FRONT_END_ENTRY(front_end_gemv, GEMV_BLOCKS_PER_SM, front_end<1>)
+FRONT_END_ENTRY(front_end_gemv_x2, GEMV_BLOCKS_PER_SM, front_end<2>)
 FRONT_END_ENTRY(front_end_gemv_batch, GEMV_BATCH_BLOCKS_PER_SM, front_end_slab<GEMV_SLAB_TILES>)
 extern "C" {
 __constant__ int dense_gemv_bf16_smem = GEMV_RING_BYTES;
+__constant__ int dense_gemv_bf16_x2_smem = GEMV_RING_BYTES;
 __constant__ int front_end_gemv_smem = GEMV_RING_BYTES;
+__constant__ int front_end_gemv_x2_smem = GEMV_RING_BYTES;
 __constant__ int dense_gemv_bf16_batch_smem = slab_smem<GEMV_SLAB_TILES_DENSE>();
 __constant__ int front_end_gemv_batch_smem = slab_smem<GEMV_SLAB_TILES>();
 }

@@ -108,7 +108,7 @@ def test_dynamic_shared_memory_is_exported_and_fits(ptx):
                 assert 0 < exported[name] <= SM90_SMEM_PER_BLOCK, (name, exported[name])
         assert set(exported) <= taking, fam
     assert taking == {f"{g}{s}" for g in ("dense_gemv_bf16", "front_end_gemv")
-                      for s in ("", "_batch")} | {"dense_gemv_wg", "front_end_wg"} | {
+                      for s in ("", "_x2", "_batch")} | {"dense_gemv_wg", "front_end_wg"} | {
         f"kda_chunk_{k}_d{d}" for k in ("intra", "inter", "inter_portable", "inter_portable_r32")
         for d in (64, 128)} | {
         f"kda_decode_batch_d{d}" for d in (64, 128)}

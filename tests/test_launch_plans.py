@@ -113,17 +113,20 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
         Glm5NextKdaKernels(host, cfg, core="fast")
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("cc", [90, 80])
-@pytest.mark.parametrize("m", [1, 8, 9, 64, 65, 256, 257])
-def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
-    """o_proj and the front end over m token rows: decode's launch up to one column group,
-    else one launch of every 64-row slab side by side (grid x, so that a weight block's slabs
-    are neighbours in launch order), each slab's blocks (grid y) those of a single slab's plan;
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64, 65, 256, 257])
+def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, groups, monkeypatch):
+    """o_proj and the front end over m token rows: decode's launch up to DECODE_GEMV_GROUPS
+    column groups (its _x2 entries past one), else one launch of every 64-row slab side by
+    side (grid x, so that a weight block's slabs are neighbours in launch order), each slab's
+    blocks (grid y) those of a single slab's plan;
     on sm_90a from DENSE_WG_FROM_ROWS rows (o_proj) and WG_FROM_ROWS (the front end) the
     launches are gemv_wg.cu's, a block a 64-row tile of weights and of tokens, the matrices by
     tensor maps, o_proj's K shares split over grid z up to DENSE_SPLIT_ROWS rows. The front
     end's sync words hold a pair a slab; o_proj's split scratch a count a (slab, tile) and a
     64 x 64 fp32 tile for each of up to GEMV_WARPS shares."""
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
     kn.use_build(cc)
@@ -136,8 +139,9 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
     (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
+    decode = m <= kernels.GEMV_COLUMNS * kernels.DECODE_GEMV_GROUPS
     wg = m >= kernels.WG_FROM_ROWS and cc == 90
-    dense_wg = m >= kernels.DENSE_WG_FROM_ROWS and cc == 90
+    dense_wg = m >= kernels.DENSE_WG_FROM_ROWS and cc == 90 and not decode
     if wg:  # six matrices by tensor maps, then the slab kernel's arguments less w_in, x, f_b, g_b
         mats = [(f.ptr, f.rows, f.cols, f.ld) for f in front_args[:6]]
         k, r, ldg = cfg.hidden_size, cfg.rank, cfg.gate_in_width
@@ -157,9 +161,12 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, monkeypatch):
         assert tuple(dense_args[-2:]) == (part, count)
     else:  # every row in the one launch, from the given pointers
         assert tuple(dense_args[:3]) == tuple(p[:3]) and int(dense_args[5]) == m
-    if m <= kernels.GEMV_COLUMNS:
-        assert (dense, front) == ("dense_gemv_bf16", "front_end_gemv")
+    if decode:
+        suffix = "" if m <= kernels.GEMV_COLUMNS else "_x2"
+        assert (dense, front) == ("dense_gemv_bf16" + suffix, "front_end_gemv" + suffix)
         assert dense_grid[1] == front_grid[1] == 1  # decode's launches: blocks in grid x
+        assert front_grid[0] == kn._front_end_plan[0]  # decode's plan, shares and all
+        assert tuple(front_args[-5:]) == kn._front_end_plan[1]
     else:
         if wg:  # a slab a WG_TILE of token rows, as the sync pairs count them
             assert kernels.WG_TILE == kernels.BATCH_SLAB_ROWS
@@ -229,12 +236,13 @@ def test_decode_walk_runs_in_one_wave(sm_count):
 @pytest.mark.parametrize("single, batch", [(1, 0), (0, 1), (0, 0)])
 def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
-    overlap the launch before them: decode's own (up to GEMV_COLUMNS rows, kda_decode_rows) by
-    DECODE_OVERLAP, the batch kernels (the batch GEMVs, kda_decode_batch) by BATCH_OVERLAP; every
-    other kernel (prefill's), and a walk that may follow another walk (`stateful_row`), waits
-    for the one before."""
+    overlap the launch before them: decode's own (its GEMV entries up to DECODE_GEMV_GROUPS
+    column groups, kda_decode_rows) by DECODE_OVERLAP, the batch kernels (the batch GEMVs,
+    kda_decode_batch) by BATCH_OVERLAP; every other kernel (prefill's), and a walk that may
+    follow another walk (`stateful_row`), waits for the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
     monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)  # 9 rows take the _x2 entries
     env = Env(host, ckpts["bounded"], 256)
     launched: list[tuple[str, bool]] = []
     launch = host.launch
@@ -246,10 +254,11 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     launched.clear()
     assert_batch_matches_single(env, 3, 1, seed=7)  # decode_batch of 3 rows, and decode
     assert_batch_matches_single(env, 3, 3, seed=8)  # verify_batch of 9 rows, and decode_k
+    assert_batch_matches_single(env, 3, 6, seed=11)  # 18 rows: the batch GEMVs
     assert_batch_matches_single(env, 1, 1, seed=9, pad=0)  # a batch of one: decode's launch
     d = env.cfg.head_dim
-    own = {"front_end_gemv", "dense_gemv_bf16", f"kda_decode_rows_d{d}",
-           f"kda_decode_rows_slot_d{d}"}
+    own = {"front_end_gemv", "dense_gemv_bf16", "front_end_gemv_x2", "dense_gemv_bf16_x2",
+           f"kda_decode_rows_d{d}", f"kda_decode_rows_slot_d{d}"}
     batched = {"front_end_gemv_batch", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
     assert {name for name, _ in launched} >= own | batched
     for name, o in launched:
@@ -262,3 +271,24 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     env.layer.back_end(host, 2, env.ws, 0)
     assert launched == [("front_end_gemv", bool(single)), (f"kda_decode_rows_d{d}", False),
                         (f"kda_decode_rows_d{d}", False), ("dense_gemv_bf16", bool(single))]
+
+
+@pytest.mark.parametrize("groups, m, want", [(1, 8, "dense_gemv_bf16"), (1, 9, "dense_gemv_wg"),
+                                             (2, 9, "dense_gemv_bf16_x2"),
+                                             (2, 16, "dense_gemv_bf16_x2"),
+                                             (2, 17, "dense_gemv_wg")])
+def test_decode_gemv_groups_set_where_decodes_launch_ends(monkeypatch, groups, m, want):
+    """DECODE_GEMV_GROUPS column groups of GEMV_COLUMNS rows take decode's GEMV launch (two:
+    its _x2 entries from 9 rows); any other value is refused by name."""
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
+    kn.use_build(90)
+    launched = []
+    monkeypatch.setattr(kn, "_launch", lambda family, name, *rest: launched.append(name))
+    p = [DevicePtr(4096 * (i + 1)) for i in range(5)]
+    kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, p[3], p[4])
+    assert launched == [want]
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 4)
+    with pytest.raises(KdaError, match=r"^DECODE_GEMV_GROUPS: expected 1 or 2, got 4$"):
+        kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, p[3], p[4])

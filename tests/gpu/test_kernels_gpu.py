@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdarun import Glm5NextKdaKernels, synthetic
+from kdarun import Glm5NextKdaKernels, kernels, synthetic
 from kdarun.dtypes import BF16
 from kdarun.kernels import GEMV_COLUMNS, GEMV_WARPS, WG_TILE, dense_split_tiles
 
@@ -29,15 +29,19 @@ def test_exported_shared_memory_reaches_the_launch(cuda):
     assert 48 * 1024 < smem[f"{walk[1]}_d64"] <= smem[f"{walk[1]}_d128"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("n, k, m", [(200, 136, 9), (130, 1000, 65), (64, 64, 200),
-                                     (2304, 4096, 64), (2304, 4096, 130), (2304, 4096, 300)])
-def test_batch_gemv_rows_are_decodes_bits(cuda, n, k, m):
-    """dense_gemv_bf16_batchm over m token rows (from DENSE_WG_FROM_ROWS on sm_90a dense_gemv_wg,
-    by tensor maps and warpgroup MMAs, its K shares split over blocks up to DENSE_SPLIT_ROWS
-    rows; otherwise the slab kernel) equals decode's launch over each 8 of them, bit for bit,
+@pytest.mark.parametrize("n, k, m, groups", [
+    (200, 136, 9, 1), (200, 136, 9, 2), (2304, 4096, 16, 2), (200, 136, 17, 2),
+    (130, 1000, 65, 1), (64, 64, 200, 1), (2304, 4096, 64, 1), (2304, 4096, 130, 1),
+    (2304, 4096, 300, 1)])
+def test_batch_gemv_rows_are_decodes_bits(cuda, monkeypatch, n, k, m, groups):
+    """dense_gemv_bf16_batchm over m token rows (up to DECODE_GEMV_GROUPS column groups
+    decode's launch, two in its _x2 entry; past them from DENSE_WG_FROM_ROWS on sm_90a
+    dense_gemv_wg, by tensor maps and warpgroup MMAs, its K shares split over blocks up to
+    DENSE_SPLIT_ROWS rows; otherwise the slab kernel) equals decode's launch over each 8 of them, bit for bit,
     twice in a row (the split's counts are left zero), at shapes whose weight rows, token rows
     and K end inside a tile, a slab, a stage and a TMA box; the output row past m keeps its
     poison."""
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
     kn = Glm5NextKdaKernels(cuda, synthetic.preset_config("tiny"))
     assert kn.wg == (cuda.compute_capability == 90 and cuda.has_wgmma)
     rng = np.random.default_rng(n + k + m)

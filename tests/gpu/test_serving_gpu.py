@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdarun import DevicePtr, KdaError
+from kdarun import DevicePtr, KdaError, kernels
 from kdarun.dtypes import BF16
 from kdarun.kernels import SMEM_PER_BLOCK, decode_batch_bulk
 from kdarun.pool import KdaStatePool
@@ -24,6 +24,21 @@ from ..helpers import (Env, assert_bad_entries_touch_nothing,
 def test_decode_batch_bit_identical_to_decode(pair, B):
     cu, _ = pair
     assert_batch_matches_single(cu, B, 1, seed=100 + B)
+
+
+@pytest.mark.parametrize("B", [8, 14])
+def test_decode_gemvs_in_two_groups_keep_decodes_bits(pair, monkeypatch, B):
+    """With DECODE_GEMV_GROUPS = 2 (the default) a batch of 9-16 rows (B sequences and two
+    padding rows) takes decode's _x2 GEMV entries (checked by the launches it makes):
+    bit-identical to decode."""
+    cu, _ = pair
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)
+    kn, launched = cu.layer.kernels, []
+    launch = kn._launch
+    monkeypatch.setattr(kn, "_launch", lambda family, name, *rest: (launched.append(name),
+                                                                     launch(family, name, *rest)))
+    assert_batch_matches_single(cu, B, 1, seed=150 + B)
+    assert {"front_end_gemv_x2", "dense_gemv_bf16_x2"} <= set(launched)
 
 
 def test_decode_batch_of_one_is_decode(pair, monkeypatch):
