@@ -265,17 +265,29 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
     to the next of `checkpoints` (the segments' slots one after another, -1 skipped). Rows
     {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints. NumPy over
     the segments: a pack of many short sequences is planned in microseconds."""
-    rows = np.asarray(rows, np.int64)
-    chunks = -(-rows // CHUNK)
-    chunk0 = np.cumsum(chunks) - chunks
-    per = rows // (every * CHUNK) if every else np.zeros_like(rows)
-    ckpt = len(rows) * SEG_FIELDS + np.cumsum(per) - per
-    table = np.stack([chunk0, chunks, row0, rows, slot, np.asarray(init, np.int64),
-                      np.where(per > 0, every, 0), ckpt], axis=1)
-    ck = np.zeros(0, np.int64) if checkpoints is None else np.asarray(checkpoints, np.int64)
-    if len(ck) != per.sum():
-        raise KdaError(f"segment_table: {per.sum()} checkpoint slots wanted, got {len(ck)}")
-    return np.concatenate([table.reshape(-1), ck]).astype(np.int32), int(chunks.sum()) * CHUNK
+    n = len(rows)
+    per = np.asarray(rows) // (every * CHUNK) if every else None  # checkpoints a segment
+    wanted = int(per.sum()) if every else 0
+    ck = () if checkpoints is None else checkpoints
+    if len(ck) != wanted:
+        raise KdaError(f"segment_table: {wanted} checkpoint slots wanted, got {len(ck)}")
+    out = np.empty(n * SEG_FIELDS + wanted, np.int32)  # one array, filled by column
+    table = out[:n * SEG_FIELDS].reshape(n, SEG_FIELDS)
+    table[:, 3] = rows
+    chunks = table[:, 1]
+    np.floor_divide(table[:, 3] + (CHUNK - 1), CHUNK, out=chunks)
+    table[0, 0] = 0
+    np.cumsum(chunks[:-1], out=table[1:, 0])
+    table[:, 2], table[:, 4], table[:, 5] = row0, slot, init
+    if every:
+        table[:, 6] = np.where(per > 0, every, 0)
+        table[0, 7] = n * SEG_FIELDS
+        np.cumsum(per[:-1], out=table[1:, 7])
+        table[1:, 7] += n * SEG_FIELDS
+        out[n * SEG_FIELDS:] = ck
+    else:
+        table[:, 6], table[:, 7] = 0, n * SEG_FIELDS
+    return out, (int(table[-1, 0]) + int(chunks[-1])) * CHUNK
 
 
 class Glm5NextKdaKernels:

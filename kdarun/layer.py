@@ -20,7 +20,7 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .errors import KdaError, check_int
+from .errors import KdaError, check_int, check_ints
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
@@ -506,10 +506,14 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
             raise KdaError(f"prefill_packed: {name} must be a host sequence (list, tuple or "
                            f"array), got {seq!r}")
     n_seq = len(slots)
-    bounds = [check_int(c, f"prefill_packed: cu_seqlens[{i}]", 0) for i, c in enumerate(cu_seqlens)]
-    bad = [f for f in has_initial_state if not isinstance(f, (bool, np.bool_))]
-    if bad:
-        raise KdaError(f"prefill_packed: has_initial_state must hold True or False, got {bad[0]!r}")
+    bounds = check_ints(cu_seqlens, "prefill_packed: cu_seqlens", 0)  # [N+1] int64
+    init = np.asarray(has_initial_state)  # [N] bool
+    if init.dtype != np.bool_ or init.ndim != 1:
+        bad = [f for f in has_initial_state if not isinstance(f, (bool, np.bool_))]
+        if bad:
+            raise KdaError(f"prefill_packed: has_initial_state must hold True or False, got "
+                           f"{bad[0]!r}")
+        init = np.zeros(0, bool)  # none at all: the count check below names it
     checkpoint_every = check_int(checkpoint_every, "prefill_packed: checkpoint_every", 0)
     if checkpoint_slots is not None and not checkpoint_every:
         raise KdaError("prefill_packed: checkpoint_slots given without checkpoint_every; pass "
@@ -517,10 +521,10 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     if len(bounds) != n_seq + 1 or len(has_initial_state) != n_seq or n_seq < 1:
         raise KdaError(f"prefill_packed: need N >= 1 slots, N has_initial_state flags and N+1 "
                        f"cu_seqlens; got {n_seq}, {len(has_initial_state)}, {len(bounds)}")
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    if bounds[0] != 0 or min(lengths) < 1:
+    length = np.diff(bounds)  # [N] tokens a sequence
+    if bounds[0] != 0 or length.min() < 1:
         raise KdaError(f"prefill_packed: cu_seqlens must start at 0 and rise by at least 1 a "
-                       f"sequence, got {bounds}")
+                       f"sequence, got {bounds.tolist()}")
     layer.check_fits(ws, pool=pool)
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
@@ -530,7 +534,7 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
                            f"[{CHUNK}, {ws.max_tokens()}] (the workspace's max_tokens), got "
                            f"{checkpoint_every}")
-        want = [n // checkpoint_every for n in lengths]
+        want = (length // checkpoint_every).tolist()
         got = [len(c) for c in checkpoint_slots or ()]
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
@@ -550,17 +554,28 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     # sequence; a piece after the first starts from the state its predecessor left in the slot.
     step = checkpoint_every or min(CHUNK, ws.max_tokens())
     piece = ws.max_tokens() // step * step
-    length = np.asarray(lengths, np.int64)
+    slot = np.asarray(slots, np.int64)
+    every = checkpoint_every // CHUNK
+    ck = np.asarray(flat, np.int64) if checkpoint_every else None
+    if length.max() <= piece and bounds[-1] <= ws.max_tokens():
+        # The usual pack: every sequence one piece, all in one window. Its plan is the table
+        # alone: a call's planning is host time in which the GPU waits (~0.1 ms a call saved)
+        table, t_pad = segment_table(bounds[:-1], length, slot, init, every, ck)
+        if t_pad <= ws.t_pad():
+            seqs = None
+            if layer.stage_hook is not None:  # each sequence's rows, for the stage dumps
+                pad = -(-length // CHUNK) * CHUNK
+                seqs = _seq_rows(range(n_seq), bounds[:-1], np.cumsum(pad) - pad, length)
+            _run_packed(layer, gpu, hidden, 0, int(bounds[-1]), table, n_seq, t_pad, pool, ws,
+                        out, stream, seqs)
+            return
     count = -(-length // piece)
     seq = np.repeat(np.arange(n_seq), count)
     p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
     p_rows = np.minimum(piece, length[seq] - p0)
-    p_row0 = np.asarray(bounds[:-1], np.int64)[seq] + p0
-    p_slot = np.asarray(slots, np.int64)[seq]
-    p_init = np.asarray(has_initial_state, bool)[seq] | (p0 > 0)
-    every = checkpoint_every // CHUNK
-    ck = (np.concatenate([np.asarray(c, np.int64) for c in checkpoint_slots])
-          if checkpoint_every else None)
+    p_row0 = bounds[:-1][seq] + p0
+    p_slot = slot[seq]
+    p_init = init[seq] | (p0 > 0)
     ck_at = np.concatenate([[0], np.cumsum(p_rows // checkpoint_every)]) if ck is not None \
         else None
     # Windows: runs of pieces within max_tokens rows and the workspace's padded rows, a
@@ -576,15 +591,20 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         w = slice(k, end)
         table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
                                      every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
-        seqs = None
-        if layer.stage_hook is not None:  # each piece's rows, for the stage dumps
-            r0, pad0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
-            seqs = SeqRows(tuple(int(i) for i in seq[w]),
-                           tuple((int(a), int(a + n)) for a, n in zip(r0, p_rows[w])),
-                           tuple((int(a), int(a + n)) for a, n in zip(pad0, p_rows[w])))
+        seqs = None if layer.stage_hook is None else _seq_rows(
+            seq[w], p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k], p_rows[w])
         _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
                     table, end - k, t_pad, pool, ws, out, stream, seqs)
         k = end
+
+
+def _seq_rows(ids: Sequence[int], row0: np.ndarray, pad0: np.ndarray,
+              rows: np.ndarray) -> SeqRows:
+    """Where the stage dumps find each piece of a packed window: sequence ids[i] at rows row0[i]
+    and padded rows pad0[i] of the window, rows[i] of them."""
+    return SeqRows(tuple(int(i) for i in ids),
+                   tuple((int(a), int(a + n)) for a, n in zip(row0, rows)),
+                   tuple((int(a), int(a + n)) for a, n in zip(pad0, rows)))
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,

@@ -17,7 +17,7 @@ import numpy as np
 from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32
-from .errors import KdaError, check_int, check_slot_tables
+from .errors import KdaError, check_int, check_slot_tables, int_array
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
 
@@ -47,6 +47,9 @@ class KdaStatePool(DeviceOwner):
         kernels index the pool with them unchecked."""
         self._require_live(what)
         low = -1 if skip else 0
+        arr = int_array(slots)
+        if arr is not None and (not len(arr) or (arr.min() >= low and arr.max() < self.slots)):
+            return
         bad = [s for s in slots if not isinstance(s, (int, np.integer)) or isinstance(s, bool)
                or not low <= s < self.slots]
         if bad:
