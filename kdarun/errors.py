@@ -1,11 +1,13 @@
 """KdaError: the one exception kdarun raises for bad input or bad use; `check_int`, the one
-check of an integer argument, and `check_ints` of a host sequence of them; `check_slot_tables`,
-the one check of a batch's slot tables; `format_bytes` for the sizes messages give. It sits at the
-bottom of the package and imports nothing of it, so every module may raise it."""
+check of an integer argument, `check_ints` and `check_flags` of host sequences of them;
+`check_slot_tables`, the one check of a batch's slot tables; `format_bytes` for the sizes
+messages give. It sits at the bottom of the package and imports nothing of it, so every module
+may raise it."""
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -34,21 +36,46 @@ def check_int(value: object, what: str, low: int | None = None,
     return value
 
 
+def _host_sequence(values: object) -> bool:
+    """An ordered host container (list, tuple, range, 1-D array, ...), not a string, a set or
+    a dict, whose order would be arbitrary."""
+    return isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes))
+
+
 def int_array(values: object) -> np.ndarray | None:
-    """`values` (a host sequence) as an int64 array [n] when its entries are integers (Python
-    ints, or a NumPy integer array), else None (a bool, a float, anything else among them: the caller
-    checks entry by entry for its message). One pass in C where a loop of `check_int` would
-    take a microsecond an entry: a pack of many sequences is checked in microseconds."""
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "iu"
-    else:
+    """A new int64 array [n] of `values` when it is a list or tuple of Python ints or a 1-D
+    NumPy integer array (not a subclass such as a masked array) whose values fit int64; else
+    None, and the caller checks entry by entry for its message (a bool, a float, a NumPy
+    scalar, another container). One pass in C where a loop of `check_int` would take a
+    microsecond an entry: a pack of many sequences is checked in microseconds."""
+    if type(values) is np.ndarray:
+        ok = values.ndim == 1 and (values.dtype.kind == "i" or (
+            values.dtype.kind == "u" and (not len(values) or int(values.max()) < 2**63)))
+    elif type(values) in (list, tuple):
         ok = {*map(type, values)} <= {int}  # bools are not ints here
+    else:
+        ok = False
     if not ok:
         return None
     try:
-        return np.asarray(values, np.int64).reshape(-1)
+        return np.array(values, np.int64)
     except OverflowError:  # a Python int past int64: no table holds it
         return None
+
+
+def check_flags(values: object, what: str) -> np.ndarray:
+    """`values` (a host sequence of True / False: Python or NumPy bools) as a new bool array
+    [n]; else a KdaError naming the first entry that is not one."""
+    if not _host_sequence(values):
+        raise KdaError(f"{what} must be a host sequence of True / False (list, tuple or "
+                       f"array), got {values!r}")
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype == np.bool_:
+        return values.copy()
+    if type(values) not in (list, tuple) or not {*map(type, values)} <= {bool, np.bool_}:
+        bad = [f for f in values if not isinstance(f, (bool, np.bool_))]
+        if bad:
+            raise KdaError(f"{what} must hold True or False, got {bad[0]!r}")
+    return np.fromiter(values, bool, len(values))
 
 
 def check_ints(values: object, what: str, low: int | None = None,
@@ -56,7 +83,7 @@ def check_ints(values: object, what: str, low: int | None = None,
     """`values` (a host sequence of integers, not bools) as an int64 array [n] when every
     entry is within [low, high]; else `check_int`'s KdaError for the first entry that is not,
     named what[i]."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+    if not _host_sequence(values):
         raise KdaError(f"{what} must be a host sequence of integers (list, tuple or array), "
                        f"got {values!r}")
     arr = int_array(values)
@@ -65,7 +92,7 @@ def check_ints(values: object, what: str, low: int | None = None,
         return arr
     checked = [check_int(v, f"{what}[{i}]", low, high) for i, v in enumerate(values)]
     try:  # a list of NumPy scalars, say: valid, only not one of int_array's forms
-        return np.asarray(checked, np.int64).reshape(-1)
+        return np.array(checked, np.int64)
     except OverflowError:
         raise KdaError(f"{what} must be integers that fit int64, got "
                        f"{max(checked, key=abs)}") from None

@@ -272,10 +272,11 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
     if len(ck) != wanted:
         raise KdaError(f"segment_table: {wanted} checkpoint slots wanted, got {len(ck)}")
     out = np.empty(n * SEG_FIELDS + wanted, np.int32)  # one array, filled by column
+    if not n:
+        return out, 0
     table = out[:n * SEG_FIELDS].reshape(n, SEG_FIELDS)
-    table[:, 3] = rows
-    chunks = table[:, 1]
-    np.floor_divide(table[:, 3] + (CHUNK - 1), CHUNK, out=chunks)
+    chunks = (np.asarray(rows, np.int64) + (CHUNK - 1)) // CHUNK
+    table[:, 1], table[:, 3] = chunks, rows
     table[0, 0] = 0
     np.cumsum(chunks[:-1], out=table[1:, 0])
     table[:, 2], table[:, 4], table[:, 5] = row0, slot, init
@@ -287,7 +288,7 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
         out[n * SEG_FIELDS:] = ck
     else:
         table[:, 6], table[:, 7] = 0, n * SEG_FIELDS
-    return out, (int(table[-1, 0]) + int(chunks[-1])) * CHUNK
+    return out, int(chunks.sum()) * CHUNK
 
 
 class Glm5NextKdaKernels:

@@ -20,7 +20,7 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .errors import KdaError, check_int, check_ints
+from .errors import KdaError, check_flags, check_int, check_ints
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
@@ -507,13 +507,7 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                            f"array), got {seq!r}")
     n_seq = len(slots)
     bounds = check_ints(cu_seqlens, "prefill_packed: cu_seqlens", 0)  # [N+1] int64
-    init = np.asarray(has_initial_state)  # [N] bool
-    if init.dtype != np.bool_ or init.ndim != 1:
-        bad = [f for f in has_initial_state if not isinstance(f, (bool, np.bool_))]
-        if bad:
-            raise KdaError(f"prefill_packed: has_initial_state must hold True or False, got "
-                           f"{bad[0]!r}")
-        init = np.zeros(0, bool)  # none at all: the count check below names it
+    init = check_flags(has_initial_state, "prefill_packed: has_initial_state")  # [N] bool
     checkpoint_every = check_int(checkpoint_every, "prefill_packed: checkpoint_every", 0)
     if checkpoint_slots is not None and not checkpoint_every:
         raise KdaError("prefill_packed: checkpoint_slots given without checkpoint_every; pass "

@@ -266,20 +266,22 @@ def test_prefill_packed_in_windows(env):
 
 
 def test_prefill_packed_takes_numpy_arrays(env):
-    """cu_seqlens, slots and has_initial_state as NumPy arrays (any integer width) give the
-    bits the same lists give."""
+    """cu_seqlens, slots and has_initial_state as NumPy arrays (any integer width; flags as
+    bools or as an object array of them) or tuples give the bits the same lists give."""
     from kdarun import prefill_packed
     gpu, cfg = env.gpu, env.cfg
     pool = KdaStatePool(gpu, cfg, 4)
     row = cfg.hidden_size * 2
     h = gpu.upload(random_hidden(100, cfg.hidden_size, 81))
-    outs = [gpu.alloc(100 * row) for _ in range(2)]
-    prefill_packed(env.layer, gpu, h, [0, 30, 100], [2, 0], [False, False], pool, env.ws,
-                   outs[0], 0)
-    prefill_packed(env.layer, gpu, h, np.array([0, 30, 100], np.int32), np.array([3, 1]),
-                   np.zeros(2, bool), pool, env.ws, outs[1], 0)
-    a, b = (gpu.download(o, (100 * row,), np.uint8, 0) for o in outs)
-    assert np.array_equal(a, b)
+    calls = [([0, 30, 100], [2, 0], [False, False]),
+             (np.array([0, 30, 100], np.int32), np.array([3, 1]), np.zeros(2, bool)),
+             ((0, 30, 100), np.array([1, 2], np.uint16), np.array([False, False], object))]
+    outs = [gpu.alloc(100 * row) for _ in calls]
+    for (cu, slots, init), out in zip(calls, outs):
+        prefill_packed(env.layer, gpu, h, cu, slots, init, pool, env.ws, out, 0)
+    first, *rest = (gpu.download(o, (100 * row,), np.uint8, 0) for o in outs)
+    for other in rest:
+        assert np.array_equal(first, other)
 
 
 def test_prefill_packed_refuses_bad_packs(env):
@@ -299,6 +301,10 @@ def test_prefill_packed_refuses_bad_packs(env):
         call([0, 4, 10], [0, 1], ["False", "False"])
     with pytest.raises(KdaError, match="has_initial_state must hold True or False, got 0"):
         call([0, 4, 10], [0, 1], [0, 1])
+    with pytest.raises(KdaError, match="has_initial_state must hold True or False, got \\[1\\]"):
+        call([0, 4, 10], [0, 1], [True, [1]])
+    with pytest.raises(KdaError, match="cu_seqlens must be a host sequence of integers"):
+        call({0, 4, 10}, [0, 1], [False, False])
     with pytest.raises(KdaError, match=r"slots: a slot must be an integer in \[0, 4\), got True"):
         call([0, 4, 10], [0, True], [False, False])
     with pytest.raises(KdaError, match="checkpoint_slots given without checkpoint_every"):
