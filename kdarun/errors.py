@@ -1,8 +1,8 @@
 """KdaError: the one exception kdarun raises for bad input or bad use; `check_int`, the one
-check of an integer argument, `check_ints` and `check_flags` of host sequences of them;
-`check_slot_tables`, the one check of a batch's slot tables; `format_bytes` for the sizes
-messages give. It sits at the bottom of the package and imports nothing of it, so every module
-may raise it."""
+check of an integer argument, and `check_ints` / `check_flags` of host sequences of integers /
+flags; `check_slot_tables`, the one check of a batch's slot tables; `format_bytes` for the
+sizes messages give. It sits at the bottom of the package and imports nothing of it, so every
+module may raise it."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ GEMV_STAGES = 3  # stages a GEMV warp keeps in flight where they fit (gemv_stage
 GEMV_BLOCKS_PER_SM = 2  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 DECODE_GEMV_GROUPS = 2  # column groups decode's GEMV launches serve: 1, or 2 (the _x2 entries,
-# batches of 9-16 rows: up to 12% faster than the batch kernels on the H200, perf-log v50)
+# batches of 9-16 rows: up to 12% faster than the batch kernels on the H200, perf-log v51)
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
 BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds: sm_90 / 100 (one elsewhere)

@@ -37,10 +37,10 @@ def test_batch_gemv_rows_are_decodes_bits(cuda, monkeypatch, n, k, m, groups):
     """dense_gemv_bf16_batchm over m token rows (up to DECODE_GEMV_GROUPS column groups
     decode's launch, two in its _x2 entry; past them from DENSE_WG_FROM_ROWS on sm_90a
     dense_gemv_wg, by tensor maps and warpgroup MMAs, its K shares split over blocks up to
-    DENSE_SPLIT_ROWS rows; otherwise the slab kernel) equals decode's launch over each 8 of them, bit for bit,
-    twice in a row (the split's counts are left zero), at shapes whose weight rows, token rows
-    and K end inside a tile, a slab, a stage and a TMA box; the output row past m keeps its
-    poison."""
+    DENSE_SPLIT_ROWS rows; otherwise the slab kernel) equals decode's launch over each 8 of
+    them, bit for bit, twice in a row (the split's counts are left zero), at shapes whose
+    weight rows, token rows and K end inside a tile, a slab, a stage and a TMA box; the output
+    row past m keeps its poison."""
     monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
     kn = Glm5NextKdaKernels(cuda, synthetic.preset_config("tiny"))
     assert kn.wg == (cuda.compute_capability == 90 and cuda.has_wgmma)
