@@ -8,6 +8,7 @@ the weights stream from HBM instead of sitting in L2 between calls.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -463,6 +464,8 @@ class VarlenResult:
     one_ms: float  # one prefill of as many tokens in one sequence, in the same run
     fla_ms: float | None = None  # fla's layer over the mix, by cu_seqlens
     steps_ms: dict[str, float] | None = None  # each step of the packed table, in the layer
+    host_ms: float | None = None  # the packed call's host time (checks, plan, launches)
+    one_host_ms: float | None = None  # the one prefill's
 
 
 CHECKPOINT_EVERY = 256
@@ -498,13 +501,22 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
         slots, init = list(range(n)), [False] * n
         ck = [[n + i * per + j for j in range(per)] for i in range(n)]
 
+        host: dict[str, list[float]] = {"packed": [], "one": []}
+
+        def on_host(key: str, fn: Callable[[], None]) -> None:
+            """fn(), its host time kept: what a call spends before its last launch is GPU
+            time lost where the GPU waits for it (docs/perf-log.md, v51)."""
+            t0 = time.perf_counter()
+            fn()
+            host[key].append((time.perf_counter() - t0) * 1e3)
+
         def packed(every: int = 0) -> None:
             prefill_packed(layer, gpu, h, bounds, slots, init, pool, ws, out, stream, every,
                            ck if every else None)
-        timers = [lambda: time_once(gpu, packed, stream),
+        timers = [lambda: time_once(gpu, lambda: on_host("packed", packed), stream),
                   lambda: time_once(gpu, lambda: packed(CHECKPOINT_EVERY), stream),
-                  lambda: time_once(gpu, lambda: layer.prefill(gpu, h, n * t, state, ws, stream),
-                                    stream)]
+                  lambda: time_once(gpu, lambda: on_host("one", lambda: layer.prefill(
+                      gpu, h, n * t, state, ws, stream)), stream)]
         ms, ms_ck, one = medians_in_turn(timers, reps, 2)
         # fla in turns of its own: a kdarun call right after fla's took ~0.25 ms more
         # (docs/perf-log.md, packed prefill on segments)
@@ -516,7 +528,9 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
         steps = layer.packed_steps(h, n * t, pool, ws, SegmentTable(ws.ptr("segments"), n, t_pad))
         results.append(VarlenResult(preset, f"{n}x{t}", n * t, ms, ms_ck, one,
                                     fla_ms[0] if fla_ms else None,
-                                    step_medians(gpu, steps, stream, reps, 3)))
+                                    step_medians(gpu, steps, stream, reps, 3),
+                                    statistics.median(host["packed"]),
+                                    statistics.median(host["one"])))
         pool.free()
     gpu.free(out)
     _release(gpu, [layer], [state], ws, h)

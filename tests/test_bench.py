@@ -59,6 +59,7 @@ def test_medians_in_turn_alternates_and_takes_medians():
 def test_varlen_paths_on_host(host):
     (r,) = bench.bench_varlen(host, "tiny", [(3, 256)], host.create_stream(), reps=1)
     assert (r.mix, r.tokens) == ("3x256", 768) and min(r.ms, r.ms_checkpoints, r.one_ms) > 0
+    assert 0 < r.host_ms and 0 < r.one_host_ms  # the host runs the kernels: all is host time
     assert bench.parse_mix("1x4096,32x128") == [(1, 4096), (32, 128)]
     with pytest.raises(ValueError, match="a mix is NxT"):
         bench.parse_mix("32*128")

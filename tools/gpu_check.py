@@ -132,7 +132,8 @@ def varlen_rows(gpu, preset, mix, stream, use_fla, report, rows) -> None:
         rows.append((f"packed prefill {preset}", r.mix,
                      f"{r.ms:.2f} ms = {r.ms / r.one_ms:.2f}x one {r.tokens}-token "
                      f"prefill ({r.one_ms:.2f}); checkpoints every "
-                     f"{bench.CHECKPOINT_EVERY}: {r.ms_checkpoints / r.ms:.2f}x{vs}"))
+                     f"{bench.CHECKPOINT_EVERY}: {r.ms_checkpoints / r.ms:.2f}x; host "
+                     f"{r.host_ms:.2f} ms (one prefill's {r.one_host_ms:.2f}){vs}"))
         print(rows[-1], flush=True)
         print_steps("each step of the packed table", r.steps_ms)
 
