@@ -265,8 +265,9 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
     to the next of `checkpoints` (the segments' slots one after another, -1 skipped). Rows
     {chunk0, chunks, row0, rows, slot, init, every, ckpt}, then the checkpoints. NumPy over
     the segments: a pack of many short sequences is planned in microseconds."""
+    rows = np.asarray(rows, np.int64)
     n = len(rows)
-    per = np.asarray(rows) // (every * CHUNK) if every else None  # checkpoints a segment
+    per = rows // (every * CHUNK) if every else None  # checkpoints a segment
     wanted = int(per.sum()) if every else 0
     ck = () if checkpoints is None else checkpoints
     if len(ck) != wanted:
@@ -275,7 +276,7 @@ def segment_table(row0: np.ndarray, rows: np.ndarray, slot: np.ndarray, init: np
     if not n:
         return out, 0
     table = out[:n * SEG_FIELDS].reshape(n, SEG_FIELDS)
-    chunks = (np.asarray(rows, np.int64) + (CHUNK - 1)) // CHUNK
+    chunks = (rows + (CHUNK - 1)) // CHUNK
     table[:, 1], table[:, 3] = chunks, rows
     table[0, 0] = 0
     np.cumsum(chunks[:-1], out=table[1:, 0])

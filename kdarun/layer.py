@@ -548,35 +548,26 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     # sequence; a piece after the first starts from the state its predecessor left in the slot.
     step = checkpoint_every or min(CHUNK, ws.max_tokens())
     piece = ws.max_tokens() // step * step
-    slot = np.asarray(slots, np.int64)
     every = checkpoint_every // CHUNK
     ck = np.asarray(flat, np.int64) if checkpoint_every else None
-    if length.max() <= piece and bounds[-1] <= ws.max_tokens():
-        # The usual pack: every sequence one piece, all in one window. Its plan is the table
-        # alone: a call's planning is host time in which the GPU waits (perf-log v51, v52)
-        table, t_pad = segment_table(bounds[:-1], length, slot, init, every, ck)
-        if t_pad <= ws.t_pad():
-            seqs = None
-            if layer.stage_hook is not None:  # each sequence's rows, for the stage dumps
-                pad = -(-length // CHUNK) * CHUNK
-                seqs = _seq_rows(range(n_seq), bounds[:-1], np.cumsum(pad) - pad, length)
-            _run_packed(layer, gpu, hidden, 0, int(bounds[-1]), table, n_seq, t_pad, pool, ws,
-                        out, stream, seqs)
-            return
-    count = -(-length // piece)
-    seq = np.repeat(np.arange(n_seq), count)
-    p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
-    p_rows = np.minimum(piece, length[seq] - p0)
-    p_row0 = bounds[:-1][seq] + p0
-    p_slot = slot[seq]
-    p_init = init[seq] | (p0 > 0)
+    # A piece a sequence, unless one is longer than a piece (the plan is host time in which the
+    # GPU waits, so the usual pack skips the cutting: docs/perf-log.md, v51-v52)
+    seq, p_rows, p_row0 = np.arange(n_seq), length, bounds[:-1]
+    p_slot, p_init, later = np.asarray(slots, np.int64), init, np.zeros(0, np.int64)
+    if length.max() > piece:
+        count = -(-length // piece)
+        seq = np.repeat(seq, count)
+        p0 = (np.arange(len(seq)) - np.repeat(np.cumsum(count) - count, count)) * piece
+        p_rows = np.minimum(piece, length[seq] - p0)
+        p_row0 = p_row0[seq] + p0
+        p_slot, p_init = p_slot[seq], init[seq] | (p0 > 0)
+        later = np.flatnonzero(p0 > 0)
     ck_at = np.concatenate([[0], np.cumsum(p_rows // checkpoint_every)]) if ck is not None \
         else None
     # Windows: runs of pieces within max_tokens rows and the workspace's padded rows, a
     # sequence's next piece always in the next window
     cum_rows = np.concatenate([[0], np.cumsum(p_rows)])
     cum_pad = np.concatenate([[0], np.cumsum(-(-p_rows // CHUNK) * CHUNK)])
-    later = np.flatnonzero(p0 > 0)
     k, n_pieces = 0, len(seq)
     while k < n_pieces:
         end = int(min(np.searchsorted(cum_rows, cum_rows[k] + ws.max_tokens(), "right") - 1,
@@ -585,20 +576,15 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
         w = slice(k, end)
         table, t_pad = segment_table(p_row0[w] - p_row0[k], p_rows[w], p_slot[w], p_init[w],
                                      every, ck[ck_at[k]:ck_at[end]] if ck is not None else None)
-        seqs = None if layer.stage_hook is None else _seq_rows(
-            seq[w], p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k], p_rows[w])
+        seqs = None
+        if layer.stage_hook is not None:  # each piece's rows, for the stage dumps
+            r0, pad0 = p_row0[w] - p_row0[k], cum_pad[w] - cum_pad[k]
+            seqs = SeqRows(tuple(int(i) for i in seq[w]),
+                           tuple((int(a), int(a + n)) for a, n in zip(r0, p_rows[w])),
+                           tuple((int(a), int(a + n)) for a, n in zip(pad0, p_rows[w])))
         _run_packed(layer, gpu, hidden, int(p_row0[k]), int(cum_rows[end] - cum_rows[k]),
                     table, end - k, t_pad, pool, ws, out, stream, seqs)
         k = end
-
-
-def _seq_rows(ids: Sequence[int], row0: np.ndarray, pad0: np.ndarray,
-              rows: np.ndarray) -> SeqRows:
-    """Where the stage dumps find each piece of a packed window: sequence ids[i] at rows row0[i]
-    and padded rows pad0[i] of the window, rows[i] of them."""
-    return SeqRows(tuple(int(i) for i in ids),
-                   tuple((int(a), int(a + n)) for a, n in zip(row0, rows)),
-                   tuple((int(a), int(a + n)) for a, n in zip(pad0, rows)))
 
 
 def _run_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, start: int,
