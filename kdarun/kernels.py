@@ -47,6 +47,9 @@ GEMV_BLOCKS_PER_SM = 2  # GEMV blocks an SM holds (their __launch_bounds__)
 GEMV_COLUMNS = 8  # token rows a GEMV column group: the MMA's N
 DECODE_GEMV_GROUPS = 2  # column groups decode's GEMV launches serve: 1, or 2 (the _x2 entries,
 # batches of 9-16 rows: up to 12% faster than the batch kernels on the H200, perf-log v51)
+FRONT_END_X2_ROWS = 16  # rows up to which the front end takes its _x2 entry (the slabs past it;
+# glm-5.3-flash's B = 16 is 4.5% faster there, B <= 14 and kimi-linear-48b slower: perf-log v54)
+DENSE_X2_ROWS = 16  # rows up to which o_proj takes its _x2 entry (the batch GEMV past it)
 GEMV_BATCH_GROUPS = 8  # column groups of the batch GEMVs: rows one block serves, over 8
 BATCH_SLAB_ROWS = GEMV_BATCH_GROUPS * GEMV_COLUMNS  # token rows a batch GEMV block serves
 GEMV_BATCH_BLOCKS_PER_SM = 2  # batch GEMV blocks an SM holds: sm_90 / 100 (one elsewhere)
@@ -347,14 +350,17 @@ class Glm5NextKdaKernels:
         return _blocks(_blocks(rows, GEMV_TILE), GEMV_WARPS // ks)
 
     @staticmethod
-    def _decode_gemv(name: str, m: int) -> str | None:
+    def _decode_gemv(name: str, m: int, x2_rows: int) -> str | None:
         """The entry of decode's GEMV `name` (dense_gemv_bf16, front_end_gemv) that serves m
         token rows on decode's launch plan, or None past DECODE_GEMV_GROUPS column groups: up
-        to GEMV_COLUMNS rows the entry itself, up to twice that its _x2 form (two groups)."""
+        to GEMV_COLUMNS rows the entry itself, up to twice that (and x2_rows) its _x2 form
+        (two groups)."""
         if DECODE_GEMV_GROUPS not in (1, 2):
             raise KdaError(f"DECODE_GEMV_GROUPS: expected 1 or 2, got {DECODE_GEMV_GROUPS}")
         groups = _blocks(m, GEMV_COLUMNS)
-        return None if groups > DECODE_GEMV_GROUPS else name if groups == 1 else f"{name}_x2"
+        if groups > DECODE_GEMV_GROUPS or m > max(x2_rows, GEMV_COLUMNS):
+            return None
+        return name if groups == 1 else f"{name}_x2"
 
     @staticmethod
     def _gemv_launch(blocks: int) -> LaunchConfig:
@@ -416,7 +422,7 @@ class Glm5NextKdaKernels:
         side (grid x), a weight block's slabs at once."""
         self._gemv_check("dense_gemv_bf16", k, m, k)
         ks = _gemv_shares(n, k, self.gpu.sm_count)
-        if name := self._decode_gemv("dense_gemv_bf16", m):
+        if name := self._decode_gemv("dense_gemv_bf16", m, DENSE_X2_ROWS):
             cfg = self._gemv_launch(self._gemv_blocks(n, ks))
         elif self._wg_takes(m, DENSE_WG_FROM_ROWS, (w, k), (x, k)):
             per = min(DENSE_SPLIT_SHARES, ks)  # both powers of two: per divides ks
@@ -497,7 +503,7 @@ class Glm5NextKdaKernels:
         c = self.cfg
         self._gemv_check("front_end_gemv", c.hidden_size, m, c.hidden_size)
         gate_args = (i32(c.num_heads), i32(c.head_dim), i32(c.rank), *self._gate_form())
-        if name := self._decode_gemv("front_end_gemv", m):
+        if name := self._decode_gemv("front_end_gemv", m, FRONT_END_X2_ROWS):
             blocks, shares = self._front_end_plan
             cfg = self._gemv_launch(blocks)
         else:

@@ -197,6 +197,32 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, groups, monkeypatch):
     assert workspace.buffer_nbytes(cfg, "dense_part", m) == 4 * pairs * GEMV_WARPS * 64 * 64
 
 
+@pytest.mark.parametrize("front_rows, dense_rows", [(12, 16), (16, 12), (8, 8)])
+def test_each_gemv_takes_its_x2_entry_up_to_its_own_rows(front_rows, dense_rows, monkeypatch):
+    """The front end takes its _x2 entry up to FRONT_END_X2_ROWS rows and o_proj up to
+    DENSE_X2_ROWS (within two column groups), the batch kernels past them; one column group
+    takes decode's own entry whatever they say."""
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)
+    monkeypatch.setattr(kernels, "FRONT_END_X2_ROWS", front_rows)
+    monkeypatch.setattr(kernels, "DENSE_X2_ROWS", dense_rows)
+    cfg = synthetic.preset_config("kimi-linear-48b")
+    kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
+    kn.use_build(90)
+    for m in range(1, 18):
+        launched = []
+        monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
+                            launched.append(name))
+        p = [DevicePtr(16 * (i + 1)) for i in range(14)]
+        kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m,
+                                  DevicePtr(4096), DevicePtr(8192))
+        kn.front_end_gemv(0, *p, m)
+        want = [entry if m <= 8 else f"{entry}_x2" if m <= rows else batch
+                for entry, rows, batch in (("dense_gemv_bf16", dense_rows, "dense_gemv_wg"),
+                                           ("front_end_gemv", front_rows,
+                                            "front_end_gemv_batch"))]
+        assert launched == want, m
+
+
 def test_batch_gemvs_take_the_slabs_where_the_tensor_copies_cannot_read(monkeypatch):
     """A matrix whose base is not 16-byte aligned (a caller's hidden rows at an odd offset)
     cannot be read by gemv_wg.cu's tensor copies: that call takes the slab kernels (whose rows

@@ -41,6 +41,24 @@ def test_decode_gemvs_in_two_groups_keep_decodes_bits(pair, monkeypatch, B):
     assert {"front_end_gemv_x2", "dense_gemv_bf16_x2"} <= set(launched)
 
 
+@pytest.mark.parametrize("front_rows, dense_rows", [(8, 16), (16, 8)])
+def test_mixed_gemv_plans_keep_decodes_bits(pair, monkeypatch, front_rows, dense_rows):
+    """14 sequences and two padding rows with one GEMV on its _x2 entry and the other on the
+    batch kernels (FRONT_END_X2_ROWS, DENSE_X2_ROWS; checked by the launches it makes):
+    bit-identical to decode."""
+    cu, _ = pair
+    monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)
+    monkeypatch.setattr(kernels, "FRONT_END_X2_ROWS", front_rows)
+    monkeypatch.setattr(kernels, "DENSE_X2_ROWS", dense_rows)
+    kn, launched = cu.layer.kernels, []
+    launch = kn._launch
+    monkeypatch.setattr(kn, "_launch", lambda family, name, *rest: (launched.append(name),
+                                                                     launch(family, name, *rest)))
+    assert_batch_matches_single(cu, 14, 1, seed=170 + front_rows)
+    assert ("front_end_gemv_x2" in launched) == (front_rows == 16)
+    assert ("dense_gemv_bf16_x2" in launched) == (dense_rows == 16)
+
+
 def test_decode_batch_of_one_is_decode(pair, monkeypatch):
     """A batch of one sequence takes decode's own launch at its slot (checked by the launches
     it makes): bit-identical to decode, other slots untouched; a batch of one padding row (-1)
