@@ -496,8 +496,9 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     so the GEMMs, the norm and o_proj run once over the packed rows and one walk carries every
     segment's state. A pack larger than the workspace runs in windows of up to max_tokens
     rows (and its padded chunks), a sequence longer than a piece (max_tokens rounded down to a
-    multiple of checkpoint_every, or of CHUNK) in pieces carrying its state through its slot. Each sequence's rows and states are those of `prefill` on it alone, bit
-    for bit, given the same GEMM outputs (a GEMM over more rows may round a row differently)."""
+    multiple of checkpoint_every, or of CHUNK) in pieces carrying its state through its slot.
+    Each sequence's rows and states are those of `prefill` on it alone, bit for bit, given the
+    same GEMM outputs (a GEMM over more rows may round a row differently)."""
     DevicePtr.check(hidden, "prefill_packed: hidden")
     DevicePtr.check(out, "prefill_packed: out")
     for name, seq in (("cu_seqlens", cu_seqlens), ("slots", slots),
