@@ -1,8 +1,8 @@
 """KdaError: the one exception kdarun raises for bad input or bad use; `check_int`, the one
 check of an integer argument, and `check_ints` / `check_flags` of host sequences of integers /
-flags; `check_slot_tables`, the one check of a batch's slot tables; `format_bytes` for the
-sizes messages give. It sits at the bottom of the package and imports nothing of it, so every
-module may raise it."""
+flags (`is_host_sequence`: what counts as one); `check_slot_tables`, the one check of a batch's
+slot tables; `format_bytes` for the sizes messages give. It sits at the bottom of the package
+and imports nothing of it, so every module may raise it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def check_int(value: object, what: str, low: int | None = None,
     return value
 
 
-def _host_sequence(values: object) -> bool:
+def is_host_sequence(values: object) -> bool:
     """An ordered host container (list, tuple, range, 1-D array, ...), not a string, a set or
     a dict, whose order would be arbitrary."""
     return isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes))
@@ -66,7 +66,7 @@ def int_array(values: object) -> np.ndarray | None:
 def check_flags(values: object, what: str) -> np.ndarray:
     """`values` (a host sequence of True / False: Python or NumPy bools) as a new bool array
     [n]; else a KdaError naming the first entry that is not one."""
-    if not _host_sequence(values):
+    if not is_host_sequence(values):
         raise KdaError(f"{what} must be a host sequence of True / False (list, tuple or "
                        f"array), got {values!r}")
     if type(values) is np.ndarray and values.ndim == 1 and values.dtype == np.bool_:
@@ -83,7 +83,7 @@ def check_ints(values: object, what: str, low: int | None = None,
     """`values` (a host sequence of integers, not bools) as an int64 array [n] when every
     entry is within [low, high]; else `check_int`'s KdaError for the first entry that is not,
     named what[i]."""
-    if not _host_sequence(values):
+    if not is_host_sequence(values):
         raise KdaError(f"{what} must be a host sequence of integers (list, tuple or array), "
                        f"got {values!r}")
     arr = int_array(values)

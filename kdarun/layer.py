@@ -20,7 +20,7 @@ import numpy as np
 from .backend import DevicePtr, GpuBackend
 from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
 from .dtypes import BF16, F32
-from .errors import KdaError, check_flags, check_int, check_ints
+from .errors import KdaError, check_flags, check_int, check_ints, is_host_sequence
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
 from .state import CONV_LAYOUT, RECURRENT_LAYOUT, KdaSeqState, conv_shape, recurrent_shape
@@ -501,11 +501,9 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     same GEMM outputs (a GEMM over more rows may round a row differently)."""
     DevicePtr.check(hidden, "prefill_packed: hidden")
     DevicePtr.check(out, "prefill_packed: out")
-    for name, seq in (("cu_seqlens", cu_seqlens), ("slots", slots),
-                      ("has_initial_state", has_initial_state)):
-        if isinstance(seq, (str, bytes, DevicePtr)) or not hasattr(seq, "__len__"):
-            raise KdaError(f"prefill_packed: {name} must be a host sequence (list, tuple or "
-                           f"array), got {seq!r}")
+    if not is_host_sequence(slots):  # cu_seqlens' and the flags' checks say so themselves
+        raise KdaError(f"prefill_packed: slots must be a host sequence (list, tuple or array), "
+                       f"got {slots!r}")
     n_seq = len(slots)
     bounds = check_ints(cu_seqlens, "prefill_packed: cu_seqlens", 0)  # [N+1] int64
     init = check_flags(has_initial_state, "prefill_packed: has_initial_state")  # [N] bool

@@ -311,6 +311,10 @@ def test_prefill_packed_refuses_bad_packs(env):
         call([0, 4, 10], [0, 1], [False] * 2, checkpoint_slots=[[2], [3]])
     with pytest.raises(KdaError, match="slots must be a host sequence"):
         call([0, 4, 10], gpu.upload(np.array([0, 1], np.int32)), [False] * 2)
+    with pytest.raises(KdaError, match="slots must be a host sequence"):  # unordered
+        call([0, 4, 10], {0, 1}, [False] * 2)
+    with pytest.raises(KdaError, match="has_initial_state must be a host sequence of True"):
+        call([0, 4, 10], [0, 1], gpu.upload(np.array([0, 1], np.int32)))
     with pytest.raises(KdaError, match=r"out must be a device pointer \(DevicePtr\), got None"):
         prefill_packed(env.layer, gpu, h, [0, 4, 10], [0, 1], [False] * 2, pool, env.ws, None, 0)
     with pytest.raises(KdaError, match="N\\+1 cu_seqlens"):
