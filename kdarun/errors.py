@@ -38,8 +38,10 @@ def check_int(value: object, what: str, low: int | None = None,
 
 def is_host_sequence(values: object) -> bool:
     """An ordered host container (list, tuple, range, 1-D array, ...), not a string, a set or
-    a dict, whose order would be arbitrary."""
-    return isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes))
+    a dict, whose order would be arbitrary, nor a 0-d or 2-D array."""
+    if isinstance(values, np.ndarray):
+        return values.ndim == 1
+    return isinstance(values, Sequence) and not isinstance(values, (str, bytes))
 
 
 def int_array(values: object) -> np.ndarray | None:

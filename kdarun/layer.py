@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from .backend import DevicePtr, GpuBackend
 from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
-from .dtypes import BF16, F32
+from .dtypes import BF16, F32, I32
 from .errors import KdaError, check_flags, check_int, check_ints, is_host_sequence
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
@@ -128,15 +129,15 @@ class Glm5NextKdaLayer:
                         self.stage_hook(stage, gpu, stream)
 
     def check_fits(self, ws: Glm5NextKdaWorkspace, state: KdaSeqState | None = None,
-                   pool: KdaStatePool | None = None) -> None:
+                   pool: KdaStatePool | None = None, needs_pool: bool = False) -> None:
         """A KdaError unless `ws` (a Glm5NextKdaWorkspace), `state` (a KdaSeqState) and `pool`
-        (a KdaStatePool), where given, were made for a config of this layer's shapes
-        (`config.BUFFER_FIELDS`, `STATE_FIELDS`): another's would be read and written past
-        its ends."""
+        (a KdaStatePool; required where `needs_pool`), where given, were made for a config of
+        this layer's shapes (`config.BUFFER_FIELDS`, `STATE_FIELDS`): another's would be read
+        and written past its ends."""
         for name, obj, cls, fields in (("workspace", ws, Glm5NextKdaWorkspace, BUFFER_FIELDS),
                                        ("state", state, KdaSeqState, STATE_FIELDS),
                                        ("state pool", pool, KdaStatePool, STATE_FIELDS)):
-            if obj is None and name != "workspace":
+            if obj is None and name != "workspace" and not (name == "state pool" and needs_pool):
                 continue
             if not isinstance(obj, cls):
                 raise KdaError(f"layer {self.layer_idx}: the {name} must be a {cls.__name__}, "
@@ -322,21 +323,27 @@ class Glm5NextKdaLayer:
                          snapshot_slots, pool.slots, pool.faults, ws.ptr("decode_sync"), b, k)),
                 self._o_proj_step(rows, ws)]
 
-    def check_batch(self, gpu: GpuBackend, what: str, b: int, k: int, slots: DevicePtr,
-                    pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
+    def check_batch(self, gpu: GpuBackend, what: str, hidden: DevicePtr, b: int, k: int,
+                    slots: DevicePtr, pool: KdaStatePool, ws: Glm5NextKdaWorkspace,
                     snapshot_slots: DevicePtr | None = None) -> None:
         """A batched call's arguments, before anything runs: the counts, the workspace and
-        pool against this layer, the tables' pointers, and, on a backend where reading them
-        costs nothing (`GpuBackend.reads_tables_free`: the host), the tables themselves
+        pool against this layer, the pointers (and their extents where the backend knows
+        them: `GpuBackend.check_region`), and, on a backend where reading them costs nothing
+        (`GpuBackend.reads_tables_free`: the host), the tables themselves
         (`KdaStatePool.check_tables`); the CUDA kernels keep an entry outside the pool from it
         and record it (`KdaStatePool.check_faults`)."""
         b = check_int(b, f"{what}: the batch", 1)
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
-        self.check_fits(ws, pool=pool)
+        self.check_fits(ws, pool=pool, needs_pool=True)
         ws.check_tokens(b * k, what)
-        DevicePtr.check(slots, f"{what}: slots")
+        regions = [(hidden, b * k * self.cfg.hidden_size * BF16.itemsize, "hidden"),
+                   (slots, b * I32.itemsize, "slots")]
         if snapshot_slots is not None:
-            DevicePtr.check(snapshot_slots, f"{what}: snapshot_slots")
+            regions.append((snapshot_slots, b * (k - 1) * I32.itemsize, "snapshot_slots"))
+        for ptr, nbytes, name in regions:
+            DevicePtr.check(ptr, f"{what}: {name}")
+            if nbytes:
+                gpu.check_region(ptr, nbytes, f"{what}: {name}")
         if gpu.reads_tables_free:
             pool.check_tables(slots, b, snapshot_slots, k, what=what)
 
@@ -345,8 +352,7 @@ class Glm5NextKdaLayer:
         """One token for each of b sequences: hidden [b, hidden] bf16 -> ws.final_out [b,
         hidden], sequence i's states read from and written back to pool slot slots[i]. Each
         sequence's outputs and states are bit-identical to `decode` on the same state."""
-        DevicePtr.check(hidden, "decode_batch: hidden")
-        self.check_batch(gpu, "decode_batch", b, 1, slots, pool, ws)
+        self.check_batch(gpu, "decode_batch", hidden, b, 1, slots, pool, ws)
         self.run_steps(gpu, self.batch_steps(hidden, b, 1, slots, pool, ws), b, None, ws, stream,
                        SeqRows.uniform(b, 1))
 
@@ -357,8 +363,7 @@ class Glm5NextKdaLayer:
         bf16, sequence-major -> ws.final_out [b*k, hidden]. Each sequence is bit-identical to
         `decode_k` on the same state; snapshot_slots [b, k-1] int32 (or None) receive the
         state after each row but the last (-1: skipped)."""
-        DevicePtr.check(hidden, "verify_batch: hidden")
-        self.check_batch(gpu, "verify_batch", b, k, slots, pool, ws, snapshot_slots)
+        self.check_batch(gpu, "verify_batch", hidden, b, k, slots, pool, ws, snapshot_slots)
         self.run_steps(gpu, self.batch_steps(hidden, b, k, slots, pool, ws, snapshot_slots),
                        b * k, None, ws, stream, SeqRows.uniform(b, k))
 
@@ -449,7 +454,7 @@ class Glm5NextKdaLayer:
         fill (NaN, 1e30) must leave outputs and state unchanged."""
         DevicePtr.check(hidden, "prefill: hidden")
         _check_state(state, "prefill")
-        ws.check_tokens(t, "prefill")
+        ws.check_tokens(t, "prefill", " or prefill in windows (kdarun.layer.prefill_windowed)")
         self.run_steps(gpu, self.prefill_steps(hidden, t, state, ws, pad_fill), t, state, ws,
                        stream)
 
@@ -475,6 +480,19 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
         n = min(ws.max_tokens(), t - start)
         layer.prefill(gpu, hidden + start * row, n, state, ws, stream)
         gpu.copy_d2d(out + start * row, ws.final_out, n * row, stream)
+
+
+def _host_rows(value: object, what: str) -> list:
+    """`value` (a host sequence of host sequences, or a 2-D array; None for none) as a list of
+    its rows, else a KdaError naming `what`."""
+    if value is None:
+        return []
+    if isinstance(value, np.ndarray) and value.ndim == 2:
+        return list(value)
+    if not is_host_sequence(value) or not all(is_host_sequence(r) for r in value):
+        raise KdaError(f"{what} must be a host sequence (list, tuple or 2-D array) of host "
+                       f"sequences of slots, one a sequence, got {reprlib.repr(value)}")
+    return list(value)
 
 
 def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
@@ -518,21 +536,25 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     if bounds[0] != 0 or length.min() < 1:
         raise KdaError(f"prefill_packed: cu_seqlens must start at 0 and rise by at least 1 a "
                        f"sequence, got {bounds.tolist()}")
-    layer.check_fits(ws, pool=pool)
+    layer.check_fits(ws, pool=pool, needs_pool=True)
+    pool.check_slots(slots, "prefill_packed: slots")
     if len(set(slots)) != n_seq:
         raise KdaError(f"prefill_packed: every sequence needs a slot of its own, got {list(slots)}")
-    pool.check_slots(slots, "prefill_packed: slots")
     if checkpoint_every:
+        if ws.max_tokens() < CHUNK:
+            raise KdaError(f"prefill_packed: checkpoints need a workspace of at least {CHUNK} "
+                           f"tokens; this one's max_tokens is {ws.max_tokens()}")
         if checkpoint_every % CHUNK or not 0 < checkpoint_every <= ws.max_tokens():
             raise KdaError(f"prefill_packed: checkpoint_every must be a multiple of {CHUNK} in "
                            f"[{CHUNK}, {ws.max_tokens()}] (the workspace's max_tokens), got "
                            f"{checkpoint_every}")
         want = (length // checkpoint_every).tolist()
-        got = [len(c) for c in checkpoint_slots or ()]
+        ck_rows = _host_rows(checkpoint_slots, "prefill_packed: checkpoint_slots")
+        got = [len(c) for c in ck_rows]
         if got != want:
             raise KdaError(f"prefill_packed: checkpoints every {checkpoint_every} tokens need "
                            f"{want} slots a sequence, got {got}")
-        flat = [c for cs in checkpoint_slots for c in cs]
+        flat = [c for cs in ck_rows for c in cs]
         pool.check_slots(flat, "prefill_packed: checkpoint_slots", skip=True)
         named = [c for c in flat if c >= 0]
         taken = set(named) & set(slots)
@@ -540,8 +562,15 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
             raise KdaError(f"prefill_packed: each checkpoint needs a slot of its own, apart from "
                            f"the sequences' slots (the walks of a pack run at once); "
                            f"{sorted(taken) or 'a checkpoint slot'} named twice in "
-                           f"checkpoint_slots {[list(c) for c in checkpoint_slots]} and "
+                           f"checkpoint_slots {[list(c) for c in ck_rows]} and "
                            f"slots {list(slots)}")
+    rows = int(bounds[-1]) * layer.cfg.hidden_size * BF16.itemsize  # bytes of hidden and of out
+    gpu.check_region(hidden, rows, "prefill_packed: hidden")
+    gpu.check_region(out, rows, "prefill_packed: out")
+    for buf, n in ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
+                   (pool.conv, pool.slots * pool.conv_nbytes)):
+        if out < buf + n and buf < out + rows:
+            raise KdaError(f"prefill_packed: out {out!r} overlaps the state pool's slots")
     # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
     # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
     # sequence; a piece after the first starts from the state its predecessor left in the slot.

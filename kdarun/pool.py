@@ -57,9 +57,10 @@ class KdaStatePool(DeviceOwner):
                            f"{' (-1 skips one)' if skip else ''}, got {bad[0]!r}"
                            f"{f' in {list(slots)[:16]}' if len(slots) > 1 else ''}")
 
-    def _check(self, slot: int, what: str) -> int:
-        self._require_live(what)
-        self.check_slots([slot], f"state pool {what}")
+    def _check(self, slot: int, method: str, arg: str = "slot") -> int:
+        """`slot` as an int, else a KdaError naming the method and the argument."""
+        self._require_live(method)
+        self.check_slots([slot], f"state pool {method}: {arg}")
         return int(slot)
 
     def recurrent_at(self, slot: int) -> DevicePtr:
@@ -75,13 +76,14 @@ class KdaStatePool(DeviceOwner):
 
     def upload(self, slot: int, recurrent: np.ndarray, conv: np.ndarray, stream: int = 0) -> None:
         """Set one slot's states from host arrays of exactly the state shapes and dtypes."""
-        self.state(slot).upload(recurrent, conv, stream)
+        _SlotState(self, self._check(slot, "upload")).upload(recurrent, conv, stream)
 
     def download(self, slot: int, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises.
         Raises `check_faults`' error first, as a slot's state may be stale after one."""
+        slot = self._check(slot, "download")
         self.check_faults(stream, "state pool download")
-        return self.state(slot).download(stream)
+        return _SlotState(self, slot).download(stream)
 
     def check_faults(self, stream: int = 0, what: str = "state pool check_faults") -> None:
         """Raise a KdaError naming a slot table entry a batched call's kernels met that was
@@ -138,6 +140,7 @@ class KdaStatePool(DeviceOwner):
 
     def copy(self, src: int, dst: int, stream: int = 0) -> None:
         """Slot dst's states become slot src's (forking a sequence, or keeping a snapshot)."""
+        src, dst = self._check(src, "copy", "src"), self._check(dst, "copy", "dst")
         self._gpu.copy_d2d(self.recurrent_at(dst), self.recurrent_at(src), self.recurrent_nbytes,
                            stream)
         self._gpu.copy_d2d(self.conv_at(dst), self.conv_at(src), self.conv_nbytes, stream)

@@ -245,7 +245,7 @@ class TpGroup(DeviceOwner):
         pools = self._check_per_rank("decode_batch: pools", pools)
         b = self._check_ranks("decode_batch", b, pools=pools)
         for i, (layer, ws) in enumerate(self.ranks):
-            layer.check_batch(gpu, "tp group decode_batch", b, 1, slots, pools[i], ws)
+            layer.check_batch(gpu, "tp group decode_batch", hidden, b, 1, slots, pools[i], ws)
         self._summed(b, lambda i, layer, ws: layer.decode_batch(gpu, hidden, b, slots, pools[i],
                                                                 ws, stream), stream)
 
@@ -255,7 +255,7 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.verify_batch` of every held rank, a pool a rank, then the sum."""
         pools = self._check_per_rank("verify_batch: pools", pools)
         for i, (layer, ws) in enumerate(self.ranks):
-            layer.check_batch(gpu, "tp group verify_batch", b, k, slots, pools[i], ws,
+            layer.check_batch(gpu, "tp group verify_batch", hidden, b, k, slots, pools[i], ws,
                               snapshot_slots)
         self._summed(b * k, lambda i, layer, ws: layer.verify_batch(
             gpu, hidden, b, k, slots, pools[i], ws, snapshot_slots, stream), stream)

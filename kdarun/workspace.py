@@ -213,23 +213,33 @@ class Glm5NextKdaWorkspace(DeviceOwner):
         return buffer_nbytes(self.cfg, name, self._max_tokens, self._t_pad)
 
     def shape(self, name: str, t: int) -> tuple[int, ...]:
-        return SPEC[name].shape(self.cfg, t, self.cfg.t_pad(t))
+        """Buffer `name`'s shape for a run of t tokens (t may exceed max_tokens: a larger
+        workspace's)."""
+        t = check_int(t, f"workspace.shape({name!r}): t", 1)
+        return SPEC[self._known(name)].shape(self.cfg, t, self.cfg.t_pad(t))
 
     def nbytes(self, name: str, t: int) -> int:
-        return buffer_nbytes(self.cfg, name, t)
+        """Buffer `name`'s bytes for a run of t tokens (t may exceed max_tokens)."""
+        t = check_int(t, f"workspace.nbytes({name!r}): t", 1)
+        return buffer_nbytes(self.cfg, self._known(name), t)
 
     def ptr(self, name: str) -> DevicePtr:
         self._require_live(f"ptr({name!r})")
+        return self._ptrs[self._known(name)]
+
+    @staticmethod
+    def _known(name: str) -> str:
         if name not in SPEC:
             raise KdaError(f"workspace: no buffer {name!r}; the buffers are {sorted(SPEC)}")
-        return self._ptrs[name]
+        return name
 
-    def check_tokens(self, t: int, what: str) -> None:
+    def check_tokens(self, t: int, what: str, hint: str = "") -> None:
+        """A KdaError unless t is a token count in [1, max_tokens]; `hint` says what else the
+        caller may do past max_tokens."""
         check_int(t, f"{what}: token count", 1)
         if t > self._max_tokens:
             raise KdaError(f"{what}: {t} tokens exceed the workspace's max_tokens "
-                           f"{self._max_tokens}; allocate a larger workspace or prefill in "
-                           "windows (kdarun.layer.prefill_windowed)")
+                           f"{self._max_tokens}; allocate a larger workspace{hint}")
 
     def poison(self, stream: int) -> None:
         """Fill every buffer with 0xFF bytes (NaN in bf16 and fp32) so unwritten

@@ -336,3 +336,103 @@ def test_prefill_packed_refuses_bad_packs(env):
     with pytest.raises(KdaError, match="a slot of its own, apart from"):
         call([0, 64, 128], [0, 1], [False, False], checkpoint_every=64,
              checkpoint_slots=[[2], [2]])
+
+
+def test_prefill_packed_refusals_name_the_argument_and_touch_nothing(env):
+    """What a pack's checks catch beyond its counts: 0-d and 2-D arrays and unhashable slots,
+    checkpoint slots in any form but a host sequence of host sequences (or a 2-D array), a
+    missing pool, checkpoints on a workspace shorter than a chunk, and hidden or out shorter
+    than cu_seqlens or out inside the pool. Each is refused naming the argument, before any
+    slot changes: a pack longer than the workspace would otherwise have run its first
+    window."""
+    from kdarun import Glm5NextKdaWorkspace, prefill_packed
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 64)
+    for s in range(4):
+        pool.upload(s, *env.warm_state(seed=90 + s))
+    before = [pool.download(s) for s in range(4)]
+    row = cfg.hidden_size * 2
+    h, out = gpu.upload(random_hidden(400, cfg.hidden_size, 91)), gpu.alloc(400 * row)
+    call = lambda cu, slots, init, **kw: prefill_packed(  # noqa: E731
+        env.layer, gpu, kw.pop("h", h), cu, slots, init, kw.pop("pool", pool),
+        kw.pop("ws", env.ws), kw.pop("out", out), 0, **kw)
+    two = dict(cu=[0, 10, 310], init=[True, True])  # 310 rows: two windows of 256
+    cases = [
+        (dict(slots=np.array(0), **two), "slots must be a host sequence"),
+        (dict(slots=np.array([[0], [1]]), **two), "slots must be a host sequence"),
+        (dict(slots=[[0], [1]], **two), r"slots: a slot must be an integer in \[0, 64\), got \[0\]"),
+        (dict(slots=[0, 1], cu=np.array(310), init=[True]), "cu_seqlens must be a host sequence"),
+        (dict(slots=[0], cu=[0, 310], init=np.array(True)), "has_initial_state must be a host seq"),
+        (dict(slots=[0, 1], checkpoint_every=64, checkpoint_slots=(c for c in ([], [2, 3, 4, 5])),
+              **two), "checkpoint_slots must be a host sequence .* of host sequences"),
+        (dict(slots=[0, 1], checkpoint_every=64, checkpoint_slots=[2, 3], **two),
+         "checkpoint_slots must be a host sequence"),
+        (dict(slots=[0, 1], checkpoint_every=64, checkpoint_slots={0: [], 1: [2, 3, 4, 5]},
+              **two), "checkpoint_slots must be a host sequence"),
+        (dict(slots=[0, 1], pool=None, **two), "the state pool must be a KdaStatePool, got None"),
+        (dict(slots=[0, 1], h=gpu.upload(random_hidden(300, cfg.hidden_size, 92)), **two),
+         "prefill_packed: hidden: access of"),
+        (dict(slots=[0, 1], out=gpu.alloc(300 * row), **two), "prefill_packed: out: access of"),
+        (dict(slots=[0, 1], out=pool.recurrent_at(40), cu=[0, 4, 10], init=[True, True]),
+         "prefill_packed: out .* overlaps the state pool's slots"),
+        (dict(slots=[0], cu=[0, 10], init=[True], ws=Glm5NextKdaWorkspace(gpu, cfg, 16),
+              checkpoint_every=64, checkpoint_slots=[[]]),
+         "checkpoints need a workspace of at least 64 tokens; this one's max_tokens is 16"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(KdaError, match=pattern):
+            call(**kw)
+    for s in range(4):
+        for x, y in zip(before[s], pool.download(s)):
+            assert np.array_equal(bits(x), bits(y)), s
+    # a 2-D array of checkpoint slots is a table of them: the same states as the lists
+    pool2 = KdaStatePool(gpu, cfg, 8)
+    for p, ck in ((pool, [[2], [3]]), (pool2, np.array([[2], [3]]))):
+        prefill_packed(env.layer, gpu, h, [0, 64, 128], [0, 1], [False, False], p, env.ws, out,
+                       0, checkpoint_every=64, checkpoint_slots=ck)
+    for s in range(4):
+        for x, y in zip(pool.download(s), pool2.download(s)):
+            assert np.array_equal(bits(x), bits(y)), s
+
+
+def test_batched_calls_name_a_short_buffer(env):
+    """hidden, slots and snapshot_slots shorter than b (and k) say which argument of which call,
+    before any slot changes (the host backend knows a pointer's extent; a GPU's does not)."""
+    gpu, cfg = env.gpu, env.cfg
+    pool = KdaStatePool(gpu, cfg, 6)
+    h4 = gpu.upload(random_hidden(4, cfg.hidden_size, 95))
+    two = gpu.upload(np.array([0, 1], np.int32))
+    with pytest.raises(KdaError, match="decode_batch: slots: access of 16 bytes"):
+        env.layer.decode_batch(gpu, h4, 4, two, pool, env.ws, 0)
+    with pytest.raises(KdaError, match="decode_batch: hidden: access of"):
+        env.layer.decode_batch(gpu, gpu.upload(random_hidden(1, cfg.hidden_size, 96)), 2, two,
+                               pool, env.ws, 0)
+    with pytest.raises(KdaError, match="verify_batch: snapshot_slots: access of 8 bytes"):
+        env.layer.verify_batch(gpu, h4, 2, 2, two, pool, env.ws,
+                               gpu.upload(np.array([3], np.int32)), 0)
+    with pytest.raises(KdaError, match="the state pool must be a KdaStatePool, got NoneType"):
+        env.layer.decode_batch(gpu, h4, 2, two, None, env.ws, 0)
+    with pytest.raises(KdaError, match=r"state pool copy: src: a slot must be an integer in \[0, 6\), got 9"):
+        pool.copy(9, 1)
+    with pytest.raises(KdaError, match=r"state pool copy: dst: a slot must be"):
+        pool.copy(1, 9)
+    with pytest.raises(KdaError, match=r"state pool upload: slot: a slot must be"):
+        pool.upload(6, *env.warm_state(seed=97))
+    assert not any(pool.download(s)[0].any() for s in range(6))
+
+
+def test_workspace_sizes_refuse_unknown_buffers_and_bad_counts(env):
+    """ws.nbytes and ws.shape (README's sizing calls) take a buffer's name and a token count,
+    which may exceed max_tokens (sizing a larger workspace), and refuse anything else."""
+    ws = env.ws
+    assert ws.nbytes("final_out", 1000) == 1000 * env.cfg.hidden_size * 2
+    assert ws.shape("final_out", 3) == (3, env.cfg.hidden_size)
+    with pytest.raises(KdaError, match="workspace: no buffer 'nope'; the buffers are"):
+        ws.nbytes("nope", 1)
+    with pytest.raises(KdaError, match="workspace: no buffer 'nope'"):
+        ws.shape("nope", 1)
+    for t in (0, -3, 2.5, True):
+        with pytest.raises(KdaError, match=r"workspace.nbytes\('final_out'\): t must be a positive"):
+            ws.nbytes("final_out", t)
+        with pytest.raises(KdaError, match=r"workspace.shape\('gate'\): t must be a positive"):
+            ws.shape("gate", t)
