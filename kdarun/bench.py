@@ -7,6 +7,7 @@ the weights stream from HBM instead of sitting in L2 between calls.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -539,6 +540,11 @@ def bench_varlen(gpu: GpuBackend, preset: str, mix: list[tuple[int, int]], strea
 
 # -- fla, measured in the same process where it is importable ----------------------------------
 def fla_available() -> bool:
+    """Whether fla's layer imports and a GPU is there. fla 0.6 sends chunk_kda to FlashKDA
+    wherever flash_kda imports (its backend dispatch, read once at its import), and FlashKDA
+    refuses fla's bf16 A_log: here fla means fla's own kernels, so its dispatch is switched off
+    before fla is first imported (FlashKDA is timed on its own, `_flashkda_timer`)."""
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:
         import fla.layers.kda  # noqa: F401
         import torch

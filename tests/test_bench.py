@@ -3,6 +3,8 @@ this keeps the GPU tool from breaking where CI can see it)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kdarun import bench
@@ -63,3 +65,16 @@ def test_varlen_paths_on_host(host):
     assert bench.parse_mix("1x4096,32x128") == [(1, 4096), (32, 128)]
     with pytest.raises(ValueError, match="a mix is NxT"):
         bench.parse_mix("32*128")
+
+
+def test_fla_means_flas_own_kernels(monkeypatch):
+    """fla_available switches fla's backend dispatch off before fla is imported: with FlashKDA
+    importable, fla 0.6's chunk_kda would otherwise run FlashKDA (and refuse its bf16 A_log),
+    so the "fla" columns would not be fla's. A user's own setting is left alone."""
+    from kdarun import bench
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
+    bench.fla_available()
+    assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "1"
+    monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "0")
+    bench.fla_available()
+    assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "0"
