@@ -7,6 +7,7 @@ the weights stream from HBM instead of sitting in L2 between calls.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -159,7 +160,7 @@ def decode_bytes(cfg: Glm5NextKdaConfig, weights: Glm5NextKdaWeights, k: int,
     """Fewest bytes one layer call must move: every weight once; per sequence its recurrent
     and conv state read and written (and, with snapshots, written after each of its first
     k-1 rows); per row its hidden row in and out."""
-    state = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
+    state = math.prod(recurrent_shape(cfg)) * F32.itemsize
     conv = (cfg.conv_kernel - 1) * cfg.conv_dim * BF16.itemsize
     io = 2 * cfg.hidden_size * BF16.itemsize
     per_seq = 2 * (state + conv) + (k - 1) * (state + conv) * snapshots

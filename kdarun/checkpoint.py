@@ -192,7 +192,8 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise KdaError(f"checkpoint: {self.path} is not a directory")
+            raise KdaError(f"checkpoint: {self.path} "
+                           f"{'is not a directory' if self.path.exists() else 'does not exist'}")
         self.config = Glm5NextKdaConfig.from_json(self.path / "config.json")
         self.weight_map = self._read_weight_map()
         self.prefix = self._find_prefix()
@@ -215,6 +216,10 @@ class Checkpoint:
             return self._read_index(index)
         if single.exists():
             return {name: single for name in self._keys(single)}
+        for f in (single, index):
+            if f.is_symlink():  # a download cut short leaves the link and not its blob
+                raise KdaError(f"checkpoint {self.path}: {f.name} is a symbolic link to "
+                               f"{os.readlink(f)}, which is missing")
         raise KdaError(f"checkpoint {self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
     def _read_index(self, index: Path) -> dict[str, Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import signal
 import sys
 from contextlib import ExitStack
 from importlib import metadata
@@ -36,11 +37,21 @@ TP_MODE_CHOICES = ("auto", *TP_MODES)
 FORCE_HELP = "Replace what the output path already holds (never an input or a checkpoint file)."
 
 
+MAX_COUNT = 2**31 - 1  # tokens and decode steps: the kernels count rows in 32-bit ints
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class _Cli(click.Group):
     """The command group: a KdaError (or the host running out of memory) ends the command
-    with its message on one line and exit code 1, or with its traceback under --debug."""
+    with its message on one line and exit code 1, or with its traceback under --debug. A
+    SIGTERM (a scheduler's or `timeout`'s kill) ends it as Ctrl-C does, through every
+    cleanup: no output's temporary is left behind."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        before = signal.signal(signal.SIGTERM, _terminated)
         try:
             return super().invoke(ctx)
         except (KdaError, MemoryError) as e:
@@ -49,6 +60,20 @@ class _Cli(click.Group):
             msg = str(e) if isinstance(e, KdaError) else \
                 "the host ran out of memory; use fewer tokens or a smaller preset"
             raise click.ClickException(" ".join(msg.split())) from None
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+
+class _Path(click.Path):
+    """click.Path refusing the empty path (an unset shell variable, say), which would run as
+    if the option were left out, or as the current directory."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if value == "":
+            self.fail("an empty path names nothing; give a path, or leave the option out",
+                      param, ctx)
+        return super().convert(value, param, ctx)
 
 
 def _version() -> str:
@@ -131,12 +156,12 @@ def main(debug: bool) -> None:
 
 
 @main.command("layer-run")
-@click.argument("checkpoint", required=False, type=click.Path(file_okay=False))
+@click.argument("checkpoint", required=False, type=_Path(file_okay=False))
 @click.option("--layer", "layer_idx", type=int, default=None,
               help="0-based layer index in the stack (default: the first KDA layer).")
-@click.option("--tokens", type=click.IntRange(0), default=None,
+@click.option("--tokens", type=click.IntRange(0, MAX_COUNT), default=None,
               help="Prefill tokens (default 100, or what --input holds beyond the decodes).")
-@click.option("--decode-steps", type=click.IntRange(0), default=4, show_default=True,
+@click.option("--decode-steps", type=click.IntRange(0, MAX_COUNT), default=4, show_default=True,
               help="Single-token decodes after the prefill.")
 @click.option("--k", "k", type=click.IntRange(0, MAX_DECODE_ROWS), default=None,
               help="Tokens of one decode_k (speculative verify) after the decodes (default 0); "
@@ -144,14 +169,14 @@ def main(debug: bool) -> None:
 @click.option("--backend", type=click.Choice(["auto", "cuda", "host"]), default="auto",
               show_default=True,
               help="cuda (CuPy on a GPU), host (the NumPy twins) or auto (cuda where usable).")
-@click.option("--input", "input_path", type=click.Path(dir_okay=False, exists=True),
+@click.option("--input", "input_path", type=_Path(dir_okay=False, exists=True),
               help="Hidden states [N, hidden] (.npy or .safetensors); default random.")
-@click.option("--output", "output_path", type=click.Path(dir_okay=False),
+@click.option("--output", "output_path", type=_Path(dir_okay=False),
               help="Write final_out (and states, for .safetensors) here.")
 @click.option("--force", is_flag=True, help=FORCE_HELP)
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="Seed of the random input.")
-@click.option("--dump-stages", "dump_dir", type=click.Path(file_okay=False),
+@click.option("--dump-stages", "dump_dir", type=_Path(file_okay=False),
               help="Write every stage of the run, in order, to this directory.")
 @click.option("--batch", type=click.IntRange(1, 1024), default=None,
               help="Serve this many sequences instead: random prompts of up to --tokens tokens "
@@ -167,6 +192,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
     from .stages import StageRecorder, claim_dump, fingerprint, write_dump
     run: dict = {"checkpoint": {"demo": DEMO} if checkpoint is None
                  else {"path": str(Path(checkpoint).resolve())}}
+    if checkpoint is not None:
+        Checkpoint(checkpoint)  # a missing or malformed one is refused before the backend opens
     gpu = open_backend(backend, announce=not as_json)
     with open_run_checkpoint(run) as ckpt_path, ExitStack() as claims:
         ckpt = Checkpoint(ckpt_path)
@@ -343,8 +370,8 @@ def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_promp
 
 
 @main.command("stages")
-@click.argument("dump", type=click.Path(file_okay=False))
-@click.option("--against", "against", type=click.Path(file_okay=False),
+@click.argument("dump", type=_Path(file_okay=False))
+@click.option("--against", "against", type=_Path(file_okay=False),
               help="Another dump of the same run (e.g. the other backend).")
 @click.option("--reference", "use_reference", is_flag=True,
               help="Compare with the float64 reference fed the dumped input.")
@@ -363,7 +390,7 @@ def stages_cmd(dump, against, use_reference, only, as_json) -> None:
 
 
 @main.command("make-checkpoint")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=_Path(file_okay=False))
 @click.option("--preset", type=click.Choice(sorted(synthetic.PRESETS)), default="tiny",
               show_default=True, help="The model shape.")
 @click.option("--gate", type=click.Choice(synthetic.GATES), default=None,
@@ -413,7 +440,7 @@ def make_checkpoint(out, preset, gate, lower_bound, layers, layout, shards, seed
 
 
 @main.command("inspect")
-@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("checkpoint", type=_Path(file_okay=False))
 def inspect_cmd(checkpoint) -> None:
     """Show a checkpoint's layout, KDA config, layers and tensors, and any problems found."""
     ckpt = Checkpoint(checkpoint)

@@ -27,6 +27,8 @@ CHUNK = 64  # C: the chunk length of the WY prefill
 MAX_DECODE_ROWS = 8  # a sequence's rows a call at most (decode_k's K): the decode walk's bound
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_CONV_KERNEL = 8  # W at most: the conv kernels' register window
+MAX_LAYERS = 1 << 16  # num_hidden_layers at most: no model comes near; a larger one is a typo
+# that would build layer tables of that length
 L2_NORM_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + L2_NORM_EPS)
 # int32 fields of a packed prefill's segment table row (kernels_cu/segments.cuh):
 # chunk0, chunks, row0, rows, slot, init, every, ckpt
@@ -192,7 +194,8 @@ class Glm5NextKdaConfig:
         text, where = cfg, ""
         if layout == "glm5_next" and "text_config" in cfg:
             text, where = _object(cfg, "text_config", "", source), "text_config."
-        n_layers = _need(text, "num_hidden_layers", where, source)
+        n_layers = check_int(_need(text, "num_hidden_layers", where, source),
+                             f"{source}: {where}num_hidden_layers", 1, MAX_LAYERS)
         if layout == "kimi_linear":
             kda, full = _kimi_layers(_object(text, "linear_attn_config", where, source),
                                      n_layers, source)
@@ -260,6 +263,8 @@ def hf_layout(cfg: dict[str, Any], source: str = "config.json") -> str:
                  "or linear_num_heads/linear_head_dim/...)")
     model_type = cfg.get("model_type")
     if model_type is not None:
+        if not isinstance(model_type, str):
+            raise KdaError(f"{source}: model_type must be a string, got {model_type!r}")
         if model_type not in MODEL_TYPES:
             raise KdaError(f"{source}: model_type {model_type!r} is not a KDA model kdarun "
                            f"reads; model types {sorted(MODEL_TYPES)} are ({supported})")
@@ -306,7 +311,7 @@ def _linear_fields(text: dict[str, Any], where: str, source: str) -> dict[str, A
             for field, keys in LINEAR_FIELDS.items()}
 
 
-def _kimi_layers(lac: dict[str, Any], n_layers: Any,
+def _kimi_layers(lac: dict[str, Any], n_layers: int,
                  source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """0-based (kda_layers, full_attn_layers) from Kimi Linear's 1-based lists."""
     out = []
@@ -316,7 +321,7 @@ def _kimi_layers(lac: dict[str, Any], n_layers: Any,
                                                 for i in lst):
             raise KdaError(f"{source}: linear_attn_config.{name} must be a list of "
                            f"1-based layer numbers, got {lst!r}")
-        bad = [i for i in lst if not (isinstance(n_layers, int) and 1 <= i <= n_layers)]
+        bad = [i for i in lst if not 1 <= i <= n_layers]
         if bad:
             raise KdaError(f"{source}: linear_attn_config.{name} are 1-based and must lie in "
                            f"[1, {n_layers}], got {bad}")
@@ -324,13 +329,10 @@ def _kimi_layers(lac: dict[str, Any], n_layers: Any,
     return out[0], out[1]
 
 
-def _glm_layers(text: dict[str, Any], n_layers: Any, where: str,
+def _glm_layers(text: dict[str, Any], n_layers: int, where: str,
                 source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """0-based (kda_layers, other attention layers) from `layer_types`, or, without it,
     every layer KDA but i % 4 == 3."""
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
-        raise KdaError(f"{source}: {where}num_hidden_layers must be a positive integer, "
-                       f"got {n_layers!r}")
     types = text.get("layer_types")
     if types is None:
         types = [ATTN_LAYER_TYPES[0] if i % 4 == 3 else KDA_LAYER_TYPE for i in range(n_layers)]

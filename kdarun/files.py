@@ -18,9 +18,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, Mapping
 
+from safetensors import SafetensorError
+
 from .errors import KdaError
 
 FORCE_HINT = "pass --force (force=True) to replace it"
+WRITE_ERRORS = (OSError, SafetensorError)  # what a writer raises when the system refuses
 
 
 def _claim(path: Path, what: str, make: Callable[[Path], None]) -> Path:
@@ -75,11 +78,13 @@ class _Pending:
     """A claimed target and its temporary; leaving a `with` block by an exception (Ctrl-C
     included) removes the temporary. `commit(write)` has `write` fill the temporary, then
     puts it in the target's place (`_install`); a write the system refuses (a full disk) is
-    a KdaError, and the target is left as it was."""
+    a KdaError, and the target is left as it was. Without `force` a target that appeared
+    while the temporary was written (another run's, or the user's) is not replaced either."""
 
     path: Path
     tmp: Path
     what: str
+    force: bool
 
     def commit(self, write: Callable[[Path], None]) -> Path:
         try:
@@ -87,11 +92,16 @@ class _Pending:
             self._install()
         except BaseException as e:
             self.discard()
-            if isinstance(e, OSError):
+            if isinstance(e, WRITE_ERRORS):
                 raise KdaError(f"{self.what} {self.path}: cannot be written "
-                               f"({e.strerror or e})") from None
+                               f"({getattr(e, 'strerror', None) or e})") from None
             raise
         return self.path
+
+    def _appeared(self) -> KdaError:
+        hint = "" if self.force else f" ({FORCE_HINT})"
+        return KdaError(f"{self.what} {self.path} appeared while this run wrote it and was left "
+                        f"as it is; nothing was written{hint}")
 
     def _install(self) -> None:
         raise NotImplementedError
@@ -125,11 +135,27 @@ class PendingFile(_Pending):
             raise KdaError(f"{what} {path} is a directory, expected a file path")
         if (path.exists() or path.is_symlink()) and not force:
             raise KdaError(f"{what} {path} exists; {FORCE_HINT}")
-        self.what, self.tmp = what, _claim(path, what, lambda p: p.touch(exist_ok=False))
+        self.what, self.force = what, force
+        self.tmp = _claim(path, what, lambda p: p.touch(exist_ok=False))
 
     def _install(self) -> None:
+        """A rename with `force`; without it a hard link, which fails where the target exists
+        (atomically), then the temporary's name goes (a rename after a last look where the
+        file system has no hard links)."""
         _as_umask_allows(self.tmp)
-        os.replace(self.tmp, self.path)
+        if self.force:
+            os.replace(self.tmp, self.path)
+            return
+        try:
+            os.link(self.tmp, self.path)
+        except FileExistsError:
+            raise self._appeared() from None
+        except OSError:
+            if os.path.lexists(self.path):
+                raise self._appeared() from None
+            os.replace(self.tmp, self.path)
+            return
+        self.tmp.unlink()
 
 
 class PendingDir(_Pending):
@@ -154,21 +180,34 @@ class PendingDir(_Pending):
         if path.is_dir() and _inside(os.getcwd(), path):
             raise KdaError(f"{what} {path} is (or holds) the current directory, which writing "
                            "it would replace; choose a directory below it")
+        self.what, self.force, self.owned = what, force, owned
+        self._check_held()
+        self.tmp = _claim(path, what, lambda p: p.mkdir())
+
+    def _check_held(self) -> list[str]:
+        """What the target holds, once `force` and `owned` allow replacing it: nothing without
+        `force`, else files `owned` accepts by name alone (checked when it is claimed and again
+        before it is replaced)."""
+        path, what = self.path, self.what
         held = sorted(os.listdir(path)) if path.is_dir() else []
-        if held and not force:
+        if held and not self.force:
             raise KdaError(f"{what} {path} exists and holds {_names(held)}; {FORCE_HINT}")
-        foreign = [n for n in held if not (owned(n) and (path / n).is_file())]
+        foreign = [n for n in held if not (self.owned(n) and (path / n).is_file())]
         if foreign:
             raise KdaError(f"{what} {path} holds {_names(foreign)}, which a {what} does not "
                            "write; choose another directory (not even --force replaces it)")
-        self.what, self.tmp = what, _claim(path, what, lambda p: p.mkdir())
+        return held
 
     def _install(self) -> None:
-        """A rename where the target is absent or empty; else the old directory is moved
-        aside first (back again if the rename fails) and removed after."""
+        """A rename where the target is absent or empty (a rename over a directory that is not
+        empty fails); else, as `force` allows, the old directory is moved aside first (back
+        again if the rename fails) and removed after. What the target holds is looked at again
+        first: it may have changed while the temporary was written."""
         _as_umask_allows(*(f for f in self.tmp.iterdir() if f.is_file()))
-        if not self.path.exists() or not os.listdir(self.path):
-            os.replace(self.tmp, self.path)
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
+            raise self._appeared()
+        if not self._check_held():
+            os.rename(self.tmp, self.path)
             return
         old = self.path.parent / f".{self.path.name}.{secrets.token_hex(4)}.old"
         os.rename(self.path, old)

@@ -10,6 +10,7 @@ recorded in the pool's fault words, which `check_faults` (and `download`) turn i
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -31,8 +32,8 @@ class KdaStatePool(DeviceOwner):
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, slots: int, stream: int = 0):
         self.cfg = check_config(cfg, "state pool")
         self.slots, self._gpu = check_int(slots, "state pool: slots", 1), gpu
-        self.recurrent_nbytes = int(np.prod(recurrent_shape(cfg))) * F32.itemsize
-        self.conv_nbytes = int(np.prod(conv_shape(cfg))) * BF16.itemsize
+        self.recurrent_nbytes = math.prod(recurrent_shape(cfg)) * F32.itemsize
+        self.conv_nbytes = math.prod(conv_shape(cfg)) * BF16.itemsize
         gpu.check_free_memory(self.slots * (self.recurrent_nbytes + self.conv_nbytes),
                               f"a state pool of {self.slots} slots")
         self.recurrent = gpu.alloc(self.slots * self.recurrent_nbytes)  # [slots, H, Dv, Dk] fp32

@@ -24,6 +24,7 @@ from .state import KdaSeqState, conv_shape, recurrent_shape
 from .tp import NcclComm, TpGroup, join_conv, join_recurrent, launch
 
 OUTPUT_SUFFIXES = (".npy", ".safetensors")
+SAFETENSORS_INPUT_DTYPES = ("BF16", "F16", "F32", "F64")  # an input's, as its header names them
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -76,23 +77,14 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
         except (OSError, ValueError, EOFError) as e:
             raise KdaError(f"{path}: not a readable .npy file ({e})") from None
     elif path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-        try:
-            tensors = load_file(str(path))
-        except Exception as e:  # safetensors raises its own error type for corrupt files
-            raise KdaError(f"{path}: not a readable safetensors file ({e})") from None
-        if "hidden" in tensors:
-            arr = tensors["hidden"]
-        elif len(tensors) == 1:
-            arr = next(iter(tensors.values()))
-        else:
-            raise KdaError(f"{path}: expected a tensor named 'hidden', found {sorted(tensors)}")
+        arr = _read_safetensors_input(path)
     else:
         raise KdaError(f"{path}: input must be .npy or .safetensors")
     if arr.ndim != 2 or arr.shape[1] != hidden:
         raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
-    if arr.dtype not in (BF16, np.float32, np.float16, np.float64):
-        raise KdaError(f"{path}: hidden states must be a float dtype, got {arr.dtype}")
+    if arr.dtype != BF16 and not (arr.dtype.kind == "f" and arr.dtype.itemsize <= 8):
+        raise KdaError(f"{path}: hidden states must be bf16, float16, float32 or float64 (either "
+                       f"byte order), got {arr.dtype}")
     with np.errstate(over="ignore"):  # values beyond bf16's range become Inf: refused below
         arr = arr.astype(BF16)
     rows = np.flatnonzero(~np.isfinite(arr.astype(np.float32)).all(axis=1))
@@ -100,6 +92,30 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
         raise KdaError(f"{path}: {rows.size} row(s) hold NaN/Inf (as bf16), the first "
                        f"{rows[:5].tolist()}; expected finite hidden states")
     return arr
+
+
+def _read_safetensors_input(path: Path) -> np.ndarray:
+    """The tensor named `hidden` (or the only tensor) of a safetensors file, read alone once
+    its dtype, from the header, is one the input may have."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = sorted(f.keys())
+            name = "hidden" if "hidden" in names else names[0] if len(names) == 1 else None
+            if name is None:
+                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
+                                                else "")
+                raise KdaError(f"{path}: expected a tensor named 'hidden' or a single tensor, "
+                               f"found {len(names)}{': ' if names else ''}{shown}")
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in SAFETENSORS_INPUT_DTYPES:
+                raise KdaError(f"{path}: hidden states must be one of "
+                               f"{', '.join(SAFETENSORS_INPUT_DTYPES)}, got {name!r} as {dtype}")
+            return f.get_tensor(name)
+    except KdaError:
+        raise
+    except Exception as e:  # safetensors raises its own error type for corrupt files
+        raise KdaError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def claim_output(path: str | Path, force: bool, protected: dict[Path, str]) -> PendingFile:

@@ -7,6 +7,8 @@ so states interchange with serving engines); the conv state is the last `W-1` ro
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .backend import DeviceOwner, GpuBackend
@@ -47,11 +49,11 @@ class KdaSeqState(DeviceOwner):
 
     @property
     def recurrent_nbytes(self) -> int:
-        return int(np.prod(recurrent_shape(self.cfg))) * F32.itemsize
+        return math.prod(recurrent_shape(self.cfg)) * F32.itemsize
 
     @property
     def conv_nbytes(self) -> int:
-        return int(np.prod(conv_shape(self.cfg))) * BF16.itemsize
+        return math.prod(conv_shape(self.cfg)) * BF16.itemsize
 
     def upload(self, recurrent: np.ndarray, conv: np.ndarray, stream: int = 0) -> None:
         """Set both states from host arrays of exactly the state shapes and dtypes."""

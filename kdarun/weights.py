@@ -8,6 +8,7 @@ contiguously. The small per-channel parameters are widened to fp32 exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -31,7 +32,7 @@ def device_layout(cfg: Glm5NextKdaConfig) -> dict[str, tuple[tuple[int, ...], np
 
 def weights_nbytes(cfg: Glm5NextKdaConfig) -> int:
     """Device bytes of one layer's weights."""
-    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in device_layout(cfg).values())
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in device_layout(cfg).values())
 
 
 @dataclass(repr=False)

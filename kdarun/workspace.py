@@ -10,6 +10,7 @@ workspace is shared by every layer of a stack.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -144,7 +145,7 @@ SPEC = {b.name: b for b in BUFFERS}
 def buffer_nbytes(cfg: Glm5NextKdaConfig, name: str, t: int, t_pad: int | None = None) -> int:
     """Bytes of buffer `name` for a run of `t` tokens over `t_pad` padded rows (default: t's)."""
     t_pad = cfg.t_pad(t) if t_pad is None else t_pad
-    return int(np.prod(SPEC[name].shape(cfg, t, t_pad), dtype=np.int64)) * \
+    return math.prod(SPEC[name].shape(cfg, t, t_pad)) * \
         SPEC[name].dtype.itemsize
 
 

@@ -210,6 +210,14 @@ CONFIGS = [
          r"gate_lower_bound must be a number in \[-5, 0\)"),
     Case("config-model-type", with_config(_set("model_type", "llama")), 1,
          "model_type 'llama' is not a KDA model kdarun reads"),
+    Case("config-model-type-a-list", with_config(_set("model_type", ["kimi_linear"])), 1,
+         r"model_type must be a string, got \['kimi_linear'\]"),
+    Case("config-layers-a-string", with_config(_set("num_hidden_layers", "4")), 1,
+         r"num_hidden_layers must be an integer in \[1, 65536\], got '4'"),
+    Case("config-layers-huge", with_config(
+        lambda c: (c["text_config"].__setitem__("num_hidden_layers", 300000000),
+                   c["text_config"].pop("layer_types")), "glm"), 1,
+         r"text_config\.num_hidden_layers must be an integer in \[1, 65536\], got 300000000"),
     Case("config-eps-a-string", with_config(_set("rms_norm_eps", "1e-5")), 1,
          r"rms_norm_eps must be a number in \(0, 1\)"),
     Case("config-conv-9", with_config(lac(_set("short_conv_kernel_size", 9))), 1,
@@ -248,6 +256,12 @@ WEIGHTS = [
          "not a readable safetensors file"),
     Case("weights-none", spoiled(lambda c: (c / "model.safetensors").unlink()), 1,
          "neither model.safetensors nor model.safetensors.index.json"),
+    Case("weights-dangling-link", spoiled(lambda c: ((c / "model.safetensors").unlink(),
+                                                     (c / "model.safetensors").symlink_to(
+                                                         "../../blobs/abc"))), 1,
+         r"model\.safetensors is a symbolic link to \.\./\.\./blobs/abc, which is missing"),
+    Case("checkpoint-missing", lambda tmp, made: ["layer-run", tmp / "nope", *RUN], 1,
+         r"checkpoint: .*nope does not exist"),
 ]
 
 
@@ -324,6 +338,12 @@ def with_input(make: Callable[[Path], object], name: str = "h.npy", *extra: str)
     return setup
 
 
+def _fp8_file(name: str) -> bytes:
+    """A safetensors file's bytes holding `name` [10, 256] as FP8, which NumPy cannot read."""
+    from safetensors.numpy import save
+    return save({name: _rows(10).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)})
+
+
 def _npy(array) -> Callable[[Path], object]:
     return lambda p: np.save(p, array) if p.suffix == ".npy" else p.write_bytes(array)
 
@@ -349,7 +369,11 @@ INPUTS = [
     Case("input-3d", with_input(_npy(np.zeros((2, 10, 256), np.float32))), 1,
          r"must be \[N, 256\], got \[2, 10, 256\]"),
     Case("input-ints", with_input(_npy(np.zeros((10, 256), np.int32))), 1,
-         "hidden states must be a float dtype, got int32"),
+         r"hidden states must be bf16, float16, float32 or float64 \(either byte order\), got "
+         "int32"),
+    Case("input-fp8-safetensors", with_input(lambda p: p.write_bytes(_fp8_file("hidden")),
+                                             "h.safetensors"), 1,
+         "hidden states must be one of BF16, F16, F32, F64, got 'hidden' as F8_E4M3"),
     Case("input-nan-row", with_input(_npy(_rows(10, bad=np.nan, at=6))), 1,
          r"1 row\(s\) hold NaN/Inf \(as bf16\), the first \[6\]"),
     Case("input-beyond-bf16", with_input(_npy(_rows(10, dtype=np.float64, bad=1e39, at=2))), 1,
@@ -359,7 +383,7 @@ INPUTS = [
          "h.safetensors: not a readable safetensors file"),
     Case("input-two-tensors", with_input(lambda p: save_file({"a": _rows(4), "b": _rows(4)},
                                                              str(p)), "h.safetensors"), 1,
-         r"expected a tensor named 'hidden', found \['a', 'b'\]"),
+         r"expected a tensor named 'hidden' or a single tensor, found 2: a, b$"),
     Case("input-suffix", with_input(lambda p: p.write_text("1 2 3"), "h.txt"), 1,
          "input must be .npy or .safetensors"),
     Case("input-too-few-rows", with_input(_npy(_rows(10)), "h.npy", "--tokens", "20"), 1,
@@ -433,6 +457,10 @@ OUTPUTS = [
     Case("output-over-checkpoint", _output_over_checkpoint, 1,
          r"would overwrite the checkpoint's file .*model\.safetensors; .*not even --force"),
     Case("output-over-input", _output_over_input, 1, r"would overwrite the input .*in\.npy"),
+    Case("output-empty", lambda tmp, made: ["layer-run", *RUN, "--output", ""], 2,
+         "'--output': an empty path names nothing"),
+    Case("dump-empty", lambda tmp, made: ["layer-run", *RUN, "--dump-stages", ""], 2,
+         "'--dump-stages': an empty path names nothing"),
     Case("output-link-to-input", _output_link_to_input, 1, "would overwrite the input"),
     Case("output-exists", lambda tmp, made: _out_args(tmp, made, _existing(tmp, "o.npy")), 1,
          r"output .*o\.npy exists; pass --force"),
@@ -585,9 +613,14 @@ DUMPS = [
 
 NUMBERS = [
     Case("tokens-negative", lambda tmp, made: ["layer-run", "--tokens", "-1"], 2,
-         r"'--tokens': -1 is not in the range x>=0"),
+         r"'--tokens': -1 is not in the range 0<=x<=2147483647"),
     Case("tokens-not-a-number", lambda tmp, made: ["layer-run", "--tokens", "1e3"], 2,
          "'1e3' is not a valid integer"),
+    Case("tokens-past-int64", lambda tmp, made: ["layer-run", "--tokens", str(10**20)], 2,
+         r"'--tokens': 100000000000000000000 is not in the range 0<=x<=2147483647"),
+    Case("decode-steps-past-int32", lambda tmp, made: ["layer-run", "--decode-steps",
+                                                        str(2**31)], 2,
+         r"'--decode-steps': 2147483648 is not in the range 0<=x<=2147483647"),
     Case("decode-steps-negative", lambda tmp, made: ["layer-run", "--decode-steps", "-1"], 2,
          "--decode-steps"),
     Case("k-9", lambda tmp, made: ["layer-run", "--k", "9"], 2,
@@ -1092,6 +1125,89 @@ def test_a_write_the_system_refuses_leaves_the_target(tmp_path):
                                        r"device\)"):
         PendingFile(target, force=True).commit(full)
     assert os.listdir(tmp_path) == ["o.npy"] and target.read_bytes() == b"old"
+
+
+def test_a_safetensors_write_the_system_refuses_is_one_line(tmp_path):
+    """safetensors raises its own error on a full disk, not an OSError: still a KdaError."""
+    from safetensors import SafetensorError
+
+    from kdarun.files import PendingFile
+
+    def full(tmp: Path) -> None:
+        raise SafetensorError("Error while serializing: No space left on device")
+    with pytest.raises(KdaError, match=r"o\.safetensors: cannot be written \(Error while "
+                                       r"serializing: No space left on device\)"):
+        PendingFile(tmp_path / "o.safetensors", force=False).commit(full)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_big_endian_input_is_read_as_its_values(made, tmp_path):
+    """Hidden states saved big-endian (`>f4`) are floats like any other: the same output as
+    the same values saved native."""
+    rows = _rows(5)
+    outs = []
+    for order in ("<", ">"):
+        np.save(tmp_path / f"h{order == '>'}.npy", rows.astype(f"{order}f4"))
+        outs.append(tmp_path / f"o{order == '>'}.npy")
+        r = invoke("layer-run", made["single"], "--input", tmp_path / f"h{order == '>'}.npy",
+                   "--output", outs[-1], *RUN)
+        assert r.exit_code == 0, r.output
+    assert np.load(outs[0]).tobytes() == np.load(outs[1]).tobytes()
+
+
+def test_a_terminated_run_leaves_no_temporaries(made, tmp_path):
+    """SIGTERM (a scheduler's or `timeout`'s kill) ends a run through its cleanups, as Ctrl-C
+    does: the claimed output's and dump's temporaries are removed, exit 128 + 15."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdarun.cli", "layer-run", str(made["single"]), "--tokens",
+         "100000", "--backend", "host", "--output", str(tmp_path / "o.npy"), "--dump-stages",
+         str(tmp_path / "d")], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:  # both claimed
+        time.sleep(0.05)
+    assert len(os.listdir(tmp_path)) == 2 and proc.poll() is None, os.listdir(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM, proc.stderr.read()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_target_that_appears_during_the_run_is_kept(tmp_path):
+    """An output claimed while absent (or a dump directory while empty) is checked again when
+    it is put in place: a file or directory that appeared meanwhile (another run's, the
+    user's) is not replaced without force, nor, with force, a directory that now holds files
+    a dump does not write; nothing of the run's is left behind."""
+    from kdarun.files import PendingDir, PendingFile
+    target = tmp_path / "o.npy"
+    pending = PendingFile(target, force=False)
+    target.write_text("precious")
+    with pytest.raises(KdaError, match="o.npy appeared while this run wrote it and was left as "
+                                       "it is; nothing was written"):
+        pending.commit(lambda tmp: tmp.write_bytes(b"new"))
+    assert target.read_text() == "precious" and os.listdir(tmp_path) == ["o.npy"]
+    for force, pattern in ((False, "exists and holds notes.txt"),
+                           (True, "holds notes.txt, which a dump does not write")):
+        d = tmp_path / f"d{force}"
+        pending = PendingDir(d, force=force, what="dump", owned=lambda n: n.endswith(".npy"))
+        d.mkdir()
+        (d / "notes.txt").write_text("notes")
+        with pytest.raises(KdaError, match=pattern):
+            pending.commit(lambda tmp: (tmp / "a.npy").write_bytes(b"new"))
+        assert os.listdir(d) == ["notes.txt"]
+    file_dir = tmp_path / "f"
+    pending = PendingDir(file_dir, force=True, what="dump", owned=lambda n: True)
+    file_dir.write_text("a file now")
+    with pytest.raises(KdaError, match="appeared while this run wrote it"):
+        pending.commit(lambda tmp: (tmp / "a.npy").write_bytes(b"new"))
+    assert file_dir.read_text() == "a file now"
+    assert sorted(os.listdir(tmp_path)) == ["dFalse", "dTrue", "f", "o.npy"]
+    pending = PendingFile(target, force=True)  # force replaces what is there
+    pending.commit(lambda tmp: tmp.write_bytes(b"new"))
+    assert target.read_bytes() == b"new"
 
 
 def test_single_sequence_calls_check_their_buffers_before_the_state_moves(bound):

@@ -149,8 +149,11 @@ def test_not_a_kda_layer_and_missing_files(ckpt_copy, tmp_path):
     (ckpt_copy / "model.safetensors").unlink()
     with pytest.raises(KdaError, match="neither model.safetensors nor"):
         Checkpoint(ckpt_copy)
-    with pytest.raises(KdaError, match="is not a directory"):
+    with pytest.raises(KdaError, match="nowhere does not exist"):
         Checkpoint(tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(KdaError, match="a-file is not a directory"):
+        Checkpoint(tmp_path / "a-file")
 
 
 def test_problems_reports_non_finite(ckpt_copy):
