@@ -517,6 +517,30 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     multiple of checkpoint_every, or of CHUNK) in pieces carrying its state through its slot.
     Each sequence's rows and states are those of `prefill` on it alone, bit for bit, given the
     same GEMM outputs (a GEMM over more rows may round a row differently)."""
+    run_pack(layer, gpu, hidden, check_packed(
+        layer, gpu, hidden, cu_seqlens, slots, has_initial_state, pool, ws, out, checkpoint_every,
+        checkpoint_slots), pool, ws, out, stream)
+
+
+class Pack(NamedTuple):
+    """A packed prefill's arguments as `check_packed` found them: cu_seqlens [N+1] int64, the
+    flags [N] bool, the lengths [N], the slots [N] int64, the checkpoint spacing (0: none) and
+    the checkpoint slots in sequence order [*] int64."""
+    bounds: np.ndarray
+    init: np.ndarray
+    length: np.ndarray
+    slots: np.ndarray
+    checkpoint_every: int
+    checkpoints: np.ndarray | None
+
+
+def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
+                 cu_seqlens: Sequence[int], slots: Sequence[int],
+                 has_initial_state: Sequence[bool], pool: KdaStatePool,
+                 ws: Glm5NextKdaWorkspace, out: DevicePtr, checkpoint_every: int = 0,
+                 checkpoint_slots: Sequence[Sequence[int]] | None = None) -> Pack:
+    """`prefill_packed`'s arguments checked, before anything runs (a tensor parallel group
+    checks every rank's so): a KdaError names the first that is wrong."""
     DevicePtr.check(hidden, "prefill_packed: hidden")
     DevicePtr.check(out, "prefill_packed: out")
     if not is_host_sequence(slots):  # cu_seqlens' and the flags' checks say so themselves
@@ -571,17 +595,26 @@ def prefill_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                    (pool.conv, pool.slots * pool.conv_nbytes)):
         if out < buf + n and buf < out + rows:
             raise KdaError(f"prefill_packed: out {out!r} overlaps the state pool's slots")
+    return Pack(bounds, init, length, np.asarray(slots, np.int64), checkpoint_every,
+                np.asarray(flat, np.int64) if checkpoint_every else None)
+
+
+def run_pack(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, pack: Pack,
+              pool: KdaStatePool, ws: Glm5NextKdaWorkspace, out: DevicePtr,
+              stream: int) -> None:
+    """A checked pack (`check_packed`), in windows of pieces."""
+    bounds, init, length, slots, checkpoint_every, ck = pack
+    n_seq = len(length)
     # Pieces: each sequence cut at multiples of `piece` tokens (a multiple of the checkpoint
     # spacing, or of CHUNK), so a piece's chunks and checkpoints are those of the whole
     # sequence; a piece after the first starts from the state its predecessor left in the slot.
     step = checkpoint_every or min(CHUNK, ws.max_tokens())
     piece = ws.max_tokens() // step * step
     every = checkpoint_every // CHUNK
-    ck = np.asarray(flat, np.int64) if checkpoint_every else None
     # A piece a sequence, unless one is longer than a piece (the plan is host time in which the
     # GPU waits, so the usual pack skips the cutting: docs/perf-log.md, v51-v52)
     seq, p_rows, p_row0 = np.arange(n_seq), length, bounds[:-1]
-    p_slot, p_init, later = np.asarray(slots, np.int64), init, np.zeros(0, np.int64)
+    p_slot, p_init, later = slots, init, np.zeros(0, np.int64)
     if length.max() > piece:
         count = -(-length // piece)
         seq = np.repeat(seq, count)

@@ -28,20 +28,22 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .backend import DeviceOwner, DevicePtr, GpuBackend
-from .dtypes import F32
+from .dtypes import BF16, F32
 from .errors import KdaError, check_int
-from .layer import Glm5NextKdaLayer, prefill_packed, prefill_windowed
+from .layer import Glm5NextKdaLayer, check_packed, prefill_windowed, run_pack
 from .loader import KdaStack
 from .pool import KdaStatePool
 from .state import KdaSeqState
 from .workspace import Glm5NextKdaWorkspace
 
 LAUNCH_TIMEOUT_S = 3600.0  # how long the launcher waits for a rank's result
+GATHER_POLL_S = 0.5  # how often the launcher looks for a rank that died without a result
 
 
 class NcclComm:
@@ -170,6 +172,25 @@ class TpGroup(DeviceOwner):
                 ws.check_tokens(rows, f"tp group {what}")
         return rows
 
+    def _hidden_apart(self, what: str, hidden: DevicePtr, rows: int,
+                      out: DevicePtr | None = None) -> None:
+        """A KdaError where hidden [rows, hidden] overlaps a buffer a rank writes before the
+        next rank reads hidden: `out`, or a rank's final_out but the last's (the group's own
+        final_out among them). The ranks held here run in turn, so the next would take the
+        sum's first part for its input."""
+        DevicePtr.check(hidden, f"tp group {what}: hidden")
+        if len(self.ranks) < 2:
+            return
+        row = self.cfg.hidden_size * BF16.itemsize
+        written = [("out", out, rows)] if out is not None else []
+        written += [(f"rank {i}'s final_out", ws.final_out, min(rows, ws.max_tokens()))
+                    for i, (_, ws) in enumerate(self.ranks[:-1])]
+        for name, buf, n in written:
+            if hidden < buf + n * row and buf < hidden + rows * row:
+                raise KdaError(f"tp group {what}: hidden {hidden!r} overlaps {name}, which a "
+                               "rank writes before the next rank reads hidden (the ranks run "
+                               "in turn here); give hidden a buffer of its own")
+
     def _summed(self, rows: int, call: Callable[[int, Glm5NextKdaLayer,
                                                  Glm5NextKdaWorkspace], None],
                 stream: int, out: DevicePtr | None = None) -> None:
@@ -202,6 +223,7 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.prefill` of every held rank, then the sum."""
         states = self._check_per_rank("prefill: states", states)
         t = self._check_ranks("prefill", t, states)
+        self._hidden_apart("prefill", hidden, t)
         self._summed(t, lambda i, layer, ws: layer.prefill(gpu, hidden, t, states[i], ws, stream),
                      stream)
 
@@ -211,6 +233,7 @@ class TpGroup(DeviceOwner):
         `max_rows`), then the sum."""
         states = self._check_per_rank("prefill_windowed: states", states)
         t = self._check_ranks("prefill_windowed", t, states, windows=True)
+        self._hidden_apart("prefill_windowed", hidden, t, out)
         self._summed(t, lambda i, layer, ws: prefill_windowed(layer, gpu, hidden, t, states[i],
                                                               ws, out, stream), stream, out)
 
@@ -219,6 +242,7 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.decode` of every held rank, then the sum."""
         states = self._check_per_rank("decode: states", states)
         self._check_ranks("decode", 1, states)
+        self._hidden_apart("decode", hidden, 1)
         self._summed(1, lambda i, layer, ws: layer.decode(gpu, hidden, states[i], ws, stream),
                      stream)
 
@@ -235,6 +259,7 @@ class TpGroup(DeviceOwner):
         k = self._check_ranks("decode_k", k, states)
         for i, (layer, _) in enumerate(self.ranks):
             layer.check_snapshots(k, snaps[i], states[i], f"tp group decode_k: rank {i}'s")
+        self._hidden_apart("decode_k", hidden, k)
         self._summed(k, lambda i, layer, ws: layer.decode_k(gpu, hidden, k, states[i], ws,
                                                             snaps[i], stream), stream)
 
@@ -246,6 +271,7 @@ class TpGroup(DeviceOwner):
         b = self._check_ranks("decode_batch", b, pools=pools)
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group decode_batch", hidden, b, 1, slots, pools[i], ws)
+        self._hidden_apart("decode_batch", hidden, b)
         self._summed(b, lambda i, layer, ws: layer.decode_batch(gpu, hidden, b, slots, pools[i],
                                                                 ws, stream), stream)
 
@@ -257,6 +283,7 @@ class TpGroup(DeviceOwner):
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group verify_batch", hidden, b, k, slots, pools[i], ws,
                               snapshot_slots)
+        self._hidden_apart("verify_batch", hidden, b * k)
         self._summed(b * k, lambda i, layer, ws: layer.verify_batch(
             gpu, hidden, b, k, slots, pools[i], ws, snapshot_slots, stream), stream)
 
@@ -269,12 +296,18 @@ class TpGroup(DeviceOwner):
         a rank (one slot numbering for all), then the sum."""
         pools = self._check_per_rank("prefill_packed: pools", pools)
         self._check_ranks("prefill_packed", 1, pools=pools, windows=True)
-        if len(cu_seqlens) < 2:
-            raise KdaError(f"prefill_packed: cu_seqlens must hold N+1 >= 2 row offsets, got "
-                           f"{list(cu_seqlens)}")
-        self._summed(int(cu_seqlens[-1]), lambda i, layer, ws: prefill_packed(
-            layer, gpu, hidden, cu_seqlens, slots, has_initial_state, pools[i], ws, out, stream,
-            checkpoint_every, checkpoint_slots), stream, out)
+        packs = []
+        for i, (layer, ws) in enumerate(self.ranks):
+            try:
+                packs.append(check_packed(layer, gpu, hidden, cu_seqlens, slots,
+                                          has_initial_state, pools[i], ws, out,
+                                          checkpoint_every, checkpoint_slots))
+            except KdaError as e:
+                raise KdaError(f"tp group rank {i}: {e}") from None
+        rows = int(packs[0].bounds[-1])
+        self._hidden_apart("prefill_packed", hidden, rows, out)
+        self._summed(rows, lambda i, layer, ws: run_pack(layer, gpu, hidden, packs[i], pools[i],
+                                                          ws, out, stream), stream, out)
 
 
 # -- the states of a group: a rank's share of a state, and the whole from the ranks' ---------
@@ -367,24 +400,53 @@ def launch(tp_size: int, work: Callable[..., Any], *args: Any) -> list[Any]:
                          name=f"kdarun-tp-rank{r}") for r in range(tp_size)]
     for p in procs:
         p.start()
-    got: dict[int, Any] = {}
+    return gather(procs, results, LAUNCH_TIMEOUT_S)
+
+
+def gather(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
+    """The ranks' results from `results` ((rank, ok, value) a rank), in rank order, while
+    `procs` (rank r is procs[r]) run. A failed rank's error is raised; so is a rank that
+    exited without a result (killed: a crash, the OOM killer), at once rather than after
+    `timeout_s`, since its peers wait in NCCL for it; the others are then ended."""
+    size, got = len(procs), {}
+    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < tp_size:
+        while len(got) < size:
             try:
-                rank, ok, value = results.get(timeout=LAUNCH_TIMEOUT_S)
+                rank, ok, value = results.get(timeout=GATHER_POLL_S)
             except queue.Empty:
-                raise KdaError(f"tp launch: no result from ranks "
-                               f"{sorted(set(range(tp_size)) - set(got))} within "
-                               f"{LAUNCH_TIMEOUT_S:g} s") from None
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead and not _drained(results, got, size):  # a result may trail its exit
+                    r = dead[0]
+                    raise KdaError(f"tp rank {r} of {size} exited with code {procs[r].exitcode} "
+                                   "without a result (killed, or crashed)") from None
+                if time.monotonic() > deadline:
+                    raise KdaError(f"tp launch: no result from ranks "
+                                   f"{sorted(set(range(size)) - set(got))} within "
+                                   f"{timeout_s:g} s") from None
+                continue
             if not ok:
-                raise KdaError(f"tp rank {rank} of {tp_size} failed: {value}")
+                raise KdaError(f"tp rank {rank} of {size} failed: {value}")
             got[rank] = value
     finally:
         for p in procs:
-            if len(got) < tp_size and p.is_alive():
+            if len(got) < size and p.is_alive():
                 p.terminate()
             p.join()
-    return [got[r] for r in range(tp_size)]
+    return [got[r] for r in range(size)]
+
+
+def _drained(results: Any, got: dict[int, Any], size: int) -> bool:
+    """Take what `results` still holds into `got` (raising a failed rank's error); whether
+    every rank's result is then in."""
+    while True:
+        try:
+            rank, ok, value = results.get(timeout=GATHER_POLL_S)
+        except queue.Empty:
+            return len(got) == size
+        if not ok:
+            raise KdaError(f"tp rank {rank} of {size} failed: {value}")
+        got[rank] = value
 
 
 def _rank_main(rank: int, size: int, uid: Any, work: Callable[..., Any], args: tuple,

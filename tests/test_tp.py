@@ -18,6 +18,7 @@ from kdarun.checkpoint import Checkpoint, shard_tensors
 from kdarun.cli import main
 from kdarun.dtypes import BF16, F32
 from kdarun.errors import KdaError
+from kdarun.layer import prefill_packed
 from kdarun.loader import load_stack
 from kdarun.pool import KdaStatePool
 from kdarun.run import RunPlan, random_hidden, reference_of, run_layer, run_tp
@@ -392,6 +393,43 @@ def test_a_group_checks_every_rank_before_any_runs(host, ckpts, tmp_path):
         TpGroup.of(host, [stacks[0], foreign], 1)
 
 
+def test_a_group_refuses_hidden_a_rank_overwrites_and_checks_every_ranks_pack(host, ckpts):
+    """The ranks run in turn, so hidden inside `out` or inside a rank's final_out (the group's
+    own, as when layers are chained) would reach the next rank as the first rank's partial:
+    refused, where the single layer takes them. A packed prefill checks every rank's slots
+    against its own pool before any rank runs, naming the rank."""
+    stacks = [load_stack(host, ckpts["bounded"], 64, [1], tp_rank=r, tp_size=2) for r in range(2)]
+    group = TpGroup.of(host, stacks, 1)
+    row = stacks[0].cfg.hidden_size * 2
+    pools = [KdaStatePool(host, s.cfg, n) for s, n in zip(stacks, (8, 4))]
+    pools[0].upload(6, *_warm(stacks[0].cfg.num_heads, 14, stacks[0].cfg.conv_dim,
+                              stacks[0].cfg.head_dim))
+    before = pools[0].download(6)
+    states = [KdaSeqState(host, s.cfg) for s in stacks]
+    buf = host.upload(random_hidden(100, 256, 15))
+    for call, pattern in [
+        (lambda: group.prefill_packed(host, buf, [0, 4, 10], [0, 1], [False] * 2, pools, buf,
+                                      0), "tp group prefill_packed: hidden .* overlaps out"),
+        (lambda: group.prefill_windowed(host, buf, 80, states, buf + 20 * row, 0),
+         "tp group prefill_windowed: hidden .* overlaps out"),
+        (lambda: group.decode(host, group.final_out, states, 0),
+         "tp group decode: hidden .* overlaps rank 0's final_out"),
+        (lambda: group.prefill_packed(host, buf, [0, 10], [6], [True], pools,
+                                      host.alloc(10 * row), 0),
+         r"tp group rank 1: prefill_packed: slots: a slot must be an integer in \[0, 4\), got 6"),
+        (lambda: group.prefill_packed(host, buf, 10, [6], [True], pools, host.alloc(10 * row), 0),
+         "tp group rank 0: prefill_packed: cu_seqlens must be a host sequence"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+    for x, y in zip(before, pools[0].download(6)):
+        assert np.array_equal(bits(x), bits(y))
+    assert not states[0].download()[0].any()
+    # the single layer reads hidden before it writes out: in place is allowed there
+    layer, ws = stacks[0].layer(1), stacks[0].workspace
+    prefill_packed(layer, host, buf, [0, 4, 10], [0, 1], [False] * 2, pools[0], ws, buf, 0)
+
+
 @pytest.mark.parametrize("call, pattern", [
     (lambda f, c: rank_recurrent(f, 2, 2), r"tp_rank must be an integer in \[0, 1\], got 2"),
     (lambda f, c: rank_recurrent(f, 0, 3), "4 heads do not split into 3 equal ranks"),
@@ -404,3 +442,39 @@ def test_state_slices_refuse_bad_ranks(call, pattern):
     full, conv = np.zeros((4, 8, 8), np.float32), np.zeros((3, 96), np.float32)
     with pytest.raises(KdaError, match=pattern):
         call(full, conv)
+
+
+def _exit_at_once(code: int) -> None:
+    import os
+    os._exit(code)
+
+
+def _put_after(results, rank: int, delay: float) -> None:
+    import time
+    time.sleep(delay)
+    results.put((rank, True, rank * 10))
+
+
+def test_the_launcher_names_a_rank_that_died_without_a_result():
+    """A rank killed before it reports (a crash, the OOM killer) is named with its exit code
+    at once, not after the launch's hour, and the others (which would wait for it in NCCL)
+    are ended; ranks that report are gathered in rank order."""
+    import multiprocessing
+    import time
+
+    from kdarun import tp
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_put_after, args=(results, 0, 60.0)),
+             ctx.Process(target=_exit_at_once, args=(9,))]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    with pytest.raises(KdaError, match="tp rank 1 of 2 exited with code 9 without a result"):
+        tp.gather(procs, results, 600.0)
+    assert time.monotonic() - t0 < 30 and all(p.exitcode is not None for p in procs)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_put_after, args=(results, r, 0.1 * (2 - r))) for r in range(2)]
+    for p in procs:
+        p.start()
+    assert tp.gather(procs, results, 600.0) == [0, 10]
