@@ -296,11 +296,12 @@ class ErrorReport:
 
 
 def compare(out: np.ndarray, ref: np.ndarray) -> ErrorReport:
-    """rel = ||out - ref|| / ||ref|| and max |out - ref|; NaN/Inf never pass."""
+    """rel = ||out - ref|| / ||ref|| and max |out - ref|; NaN/Inf never pass, counted in both
+    (`ref` is another dump's stage under `stages --against`)."""
     o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     if o.shape != r.shape:
         raise KdaError(f"compare: shape {list(o.shape)} vs reference {list(r.shape)}")
-    bad = int(np.count_nonzero(~np.isfinite(o)))
+    bad = int(np.count_nonzero(~np.isfinite(o)) + np.count_nonzero(~np.isfinite(r)))
     if bad:
         return ErrorReport(float("nan"), float("nan"), bad)
     d = o - r

@@ -202,3 +202,16 @@ def test_batch_dump_repeats_and_is_not_a_single_run(batch_dump, dump, tmp_path):
     with pytest.raises(KdaError, match="different runs: a serving \\(--batch\\) dump against a "
                                        "single-sequence dump"):
         compare_stages(batch_dump, dump)
+
+
+def test_compare_counts_nan_on_either_side():
+    """A NaN or Inf fails a comparison and is counted on either side: in `stages --against`
+    the other dump may hold it."""
+    from kdarun.run import compare
+    a, b = np.ones(4), np.ones(4)
+    assert compare(a, b).ok(1e-3)
+    for out, ref in ((np.array([1, np.nan, 1, 1.0]), b), (a, np.array([1, 1, np.inf, 1.0])),
+                     (np.array([np.nan] * 4), np.array([np.nan, 1, 1, np.inf]))):
+        e = compare(out, ref)
+        assert not e.ok(1.0) and e.nonfinite == (np.count_nonzero(~np.isfinite(out))
+                                                 + np.count_nonzero(~np.isfinite(ref)))
