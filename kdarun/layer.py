@@ -600,8 +600,8 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
 
 
 def run_pack(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr, pack: Pack,
-              pool: KdaStatePool, ws: Glm5NextKdaWorkspace, out: DevicePtr,
-              stream: int) -> None:
+             pool: KdaStatePool, ws: Glm5NextKdaWorkspace, out: DevicePtr,
+             stream: int) -> None:
     """A checked pack (`check_packed`), in windows of pieces."""
     bounds, init, length, slots, checkpoint_every, ck = pack
     n_seq = len(length)

@@ -307,7 +307,7 @@ class TpGroup(DeviceOwner):
         rows = int(packs[0].bounds[-1])
         self._hidden_apart("prefill_packed", hidden, rows, out)
         self._summed(rows, lambda i, layer, ws: run_pack(layer, gpu, hidden, packs[i], pools[i],
-                                                          ws, out, stream), stream, out)
+                                                         ws, out, stream), stream, out)
 
 
 # -- the states of a group: a rank's share of a state, and the whole from the ranks' ---------

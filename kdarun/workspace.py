@@ -145,7 +145,7 @@ SPEC = {b.name: b for b in BUFFERS}
 def buffer_nbytes(cfg: Glm5NextKdaConfig, name: str, t: int, t_pad: int | None = None) -> int:
     """Bytes of buffer `name` for a run of `t` tokens over `t_pad` padded rows (default: t's)."""
     t_pad = cfg.t_pad(t) if t_pad is None else t_pad
-    return math.prod(SPEC[name].shape(cfg, t, t_pad)) * \
+    return math.prod(int(d) for d in SPEC[name].shape(cfg, t, t_pad)) * \
         SPEC[name].dtype.itemsize
 
 
