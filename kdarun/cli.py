@@ -31,6 +31,8 @@ from .run import (DEMO, TP_MODES, ErrorReport, RunPlan, claim_output, compare,
                   open_run_checkpoint, random_hidden, read_hidden, reference_of, run_layer,
                   run_tp, write_output)
 from .tp import launch, visible_gpus
+from .weights import weights_nbytes
+from .workspace import workspace_nbytes
 
 E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
 TP_MODE_CHOICES = ("auto", *TP_MODES)
@@ -252,8 +254,13 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                            f"{plan.total} (prefill {plan.prefill} + decode steps "
                            f"{plan.decode_steps} + k {plan.k})")
         # one rank's stack first: its memory check refuses a run too large before any input
-        stack = load_stack(gpu, ckpt_path, max(plan.prefill, plan.k, 1), [layer_idx]) \
-            if tp == 1 else None
+        rows = max(plan.prefill, plan.k, 1)
+        stack = load_stack(gpu, ckpt_path, rows, [layer_idx]) if tp == 1 else None
+        if tp > 1:  # the ranks this process will hold, checked as load_stack checks each
+            share, held = cfg.shard(tp), tp if tp_run_mode == "in-turn" else 1
+            gpu.check_free_memory(held * (workspace_nbytes(share, rows) + weights_nbytes(share)),
+                                  f"{held} tp rank(s) of layer {layer_idx} with a workspace of "
+                                  f"{rows} tokens")
         if hidden is None:
             hidden = random_hidden(plan.total, cfg.hidden_size, seed)
         hidden = hidden[:plan.total]

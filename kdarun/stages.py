@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 from . import reference
 from .backend import GpuBackend
 from .checkpoint import Checkpoint, tensors_digest
-from .config import Glm5NextKdaConfig
+from .config import Glm5NextKdaConfig, hf_layout
 from .errors import KdaError
 from .files import PendingDir
 from .layer import Stage
@@ -412,7 +412,9 @@ def _check_unchanged(d: Dump, ckpt: Checkpoint) -> dict[str, np.ndarray]:
     then = d.manifest["fingerprint"]
     cfg = ckpt.config
     if config_digest(cfg) != then["config"]:
-        diff = _config_change(d.run["config"], cfg.to_hf())
+        was = hf_layout(d.run["config"], f"dump {d.path}: run.config")
+        diff = (f"layout {was} -> {cfg.layout}: its fields moved, so they are not compared one "
+                "by one" if was != cfg.layout else _config_change(d.run["config"], cfg.to_hf()))
         raise KdaError(f"{changed}: its config differs ({diff}){redo}")
     tensors = ckpt.layer_tensors(d.run["layer"])
     now = tensors_digest(tensors)

@@ -543,6 +543,11 @@ def _regate(d: Path, c: Path) -> None:
                                force=True)
 
 
+def _relayout(d: Path, c: Path) -> None:
+    synthetic.write_checkpoint(c, synthetic.preset_config("tiny", layers=4, layout="glm5_next"),
+                               seed=1, force=True)
+
+
 def _tensors_file(d: Path, edit: Callable[[dict], object]) -> None:
     t = load_file(str(d / "stages.safetensors"))
     edit(t)
@@ -595,6 +600,9 @@ DUMPS = [
         "does not match the manifest's checksum"),
     Case("dump-checkpoint-reseeded", with_dump(_reseed), 1,
          r"the checkpoint changed since this dump .*: layer 0's weights differ"),
+    Case("dump-checkpoint-relayout", with_dump(_relayout), 1,
+         r"the checkpoint changed since this dump .*: its config differs \(layout kimi_linear -> "
+         r"glm5_next: its fields moved"),
     Case("dump-checkpoint-regated", with_dump(_regate), 1,
          r"the checkpoint changed since this dump .*: its config differs \(linear_attn_config"
          r"\.gate_lower_bound: 'absent' -> -5\.0\)"),
@@ -638,6 +646,10 @@ NUMBERS = [
                                                 "--backend", "host"], 1,
          r"a workspace of 1000000000 tokens needs [\d.]+ GiB of device memory, but CPU "
          r"\(NumPy\) has [\d.]+ GiB free"),
+    Case("tokens-a-billion-tp", lambda tmp, made: ["layer-run", "--tokens", "1000000000",
+                                                   "--backend", "host", "--tp", "2"], 1,
+         r"2 tp rank\(s\) of layer 0 with a workspace of 1000000000 tokens needs [\d.]+ GiB of "
+         r"device memory, but CPU \(NumPy\) has [\d.]+ GiB free"),
     Case("backend-unknown", lambda tmp, made: ["layer-run", "--backend", "tpu"], 2,
          "'tpu' is not one of"),
     Case("layers-0", lambda tmp, made: ["make-checkpoint", tmp / "c", "--layers", "0"], 2,
