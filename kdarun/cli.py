@@ -26,13 +26,11 @@ from .backends import cuda_available, open_backend
 from .checkpoint import Checkpoint
 from .config import LAYOUTS, MAX_DECODE_ROWS
 from .errors import KdaError
-from .loader import load_stack
+from .loader import load_stack, stack_nbytes
 from .run import (DEMO, TP_MODES, ErrorReport, RunPlan, claim_output, compare,
                   open_run_checkpoint, random_hidden, read_hidden, reference_of, run_layer,
                   run_tp, write_output)
 from .tp import launch, visible_gpus
-from .weights import weights_nbytes
-from .workspace import workspace_nbytes
 
 E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
 TP_MODE_CHOICES = ("auto", *TP_MODES)
@@ -258,7 +256,7 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         stack = load_stack(gpu, ckpt_path, rows, [layer_idx]) if tp == 1 else None
         if tp > 1:  # the ranks this process will hold, checked as load_stack checks each
             share, held = cfg.shard(tp), tp if tp_run_mode == "in-turn" else 1
-            gpu.check_free_memory(held * (workspace_nbytes(share, rows) + weights_nbytes(share)),
+            gpu.check_free_memory(held * stack_nbytes(share, rows, 1),
                                   f"{held} tp rank(s) of layer {layer_idx} with a workspace of "
                                   f"{rows} tokens")
         if hidden is None:

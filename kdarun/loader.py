@@ -53,6 +53,11 @@ def release_bound(gpu: GpuBackend, layers: Iterable[Glm5NextKdaLayer],
     workspace.free()
 
 
+def stack_nbytes(cfg: Glm5NextKdaConfig, max_tokens: int, layers: int) -> int:
+    """Device bytes of a stack of `layers` layers of cfg with a workspace of max_tokens."""
+    return workspace_nbytes(cfg, max_tokens) + layers * weights_nbytes(cfg)
+
+
 def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
                layers: Iterable[int] | None = None, stream: int = 0, tp_rank: int = 0,
                tp_size: int = 1) -> KdaStack:
@@ -71,7 +76,7 @@ def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
         if check_int(i, "load_stack: a layer index") not in cfg.kda_layers:
             raise KdaError(f"layer {i} is not a KDA layer of {path} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
-    gpu.check_free_memory(workspace_nbytes(cfg, max_tokens) + len(wanted) * weights_nbytes(cfg),
+    gpu.check_free_memory(stack_nbytes(cfg, max_tokens, len(wanted)),
                           f"{len(wanted)} layer(s) with a workspace of {max_tokens} tokens")
     kernels = Glm5NextKdaKernels(gpu, cfg)
     ws = Glm5NextKdaWorkspace(gpu, cfg, max_tokens)

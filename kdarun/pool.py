@@ -73,18 +73,21 @@ class KdaStatePool(DeviceOwner):
     def state(self, slot: int) -> KdaSeqState:
         """Slot `slot` as a `KdaSeqState` for the single-sequence calls (prefill, decode,
         decode_k); it shares the pool's memory, which `free` of the pool releases."""
-        return _SlotState(self, self._check(slot, "state"))
+        return self._slot_state(slot, "state")
+
+    def _slot_state(self, slot: int, method: str) -> "_SlotState":
+        return _SlotState(self, self._check(slot, method))
 
     def upload(self, slot: int, recurrent: np.ndarray, conv: np.ndarray, stream: int = 0) -> None:
         """Set one slot's states from host arrays of exactly the state shapes and dtypes."""
-        _SlotState(self, self._check(slot, "upload")).upload(recurrent, conv, stream)
+        self._slot_state(slot, "upload").upload(recurrent, conv, stream)
 
     def download(self, slot: int, stream: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(recurrent [H, Dv, Dk] fp32, conv [W-1, conv_dim] bf16) of one slot; synchronises.
         Raises `check_faults`' error first, as a slot's state may be stale after one."""
-        slot = self._check(slot, "download")
+        state = self._slot_state(slot, "download")
         self.check_faults(stream, "state pool download")
-        return _SlotState(self, slot).download(stream)
+        return state.download(stream)
 
     def check_faults(self, stream: int = 0, what: str = "state pool check_faults") -> None:
         """Raise a KdaError naming a slot table entry a batched call's kernels met that was

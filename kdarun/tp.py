@@ -191,15 +191,16 @@ class TpGroup(DeviceOwner):
                                "rank writes before the next rank reads hidden (the ranks run "
                                "in turn here); give hidden a buffer of its own")
 
-    def _summed(self, rows: int, call: Callable[[int, Glm5NextKdaLayer,
-                                                 Glm5NextKdaWorkspace], None],
+    def _summed(self, what: str, hidden: DevicePtr, rows: int,
+                call: Callable[[int, Glm5NextKdaLayer, Glm5NextKdaWorkspace], None],
                 stream: int, out: DevicePtr | None = None) -> None:
         """Run each held rank (`call(i, layer, ws)` enqueues rank i's call, whose partial
         [rows, hidden] bf16 lands in its ws.final_out, or in `out`), then make every partial
         the group's sum: fp32 adds in rank order, each right after its rank ran (ranks may
         share `out`), the all-reduce where the other ranks are other processes, one
-        rounding."""
+        rounding. `hidden` is checked against what the ranks write first (`_hidden_apart`)."""
         self._require_live("a call")
+        self._hidden_apart(what, hidden, rows, out)
         if self.tp_size == 1:
             call(0, *self.ranks[0])
             return
@@ -223,9 +224,8 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.prefill` of every held rank, then the sum."""
         states = self._check_per_rank("prefill: states", states)
         t = self._check_ranks("prefill", t, states)
-        self._hidden_apart("prefill", hidden, t)
-        self._summed(t, lambda i, layer, ws: layer.prefill(gpu, hidden, t, states[i], ws, stream),
-                     stream)
+        self._summed("prefill", hidden, t, lambda i, layer, ws: layer.prefill(
+            gpu, hidden, t, states[i], ws, stream), stream)
 
     def prefill_windowed(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
                          states: Sequence[KdaSeqState], out: DevicePtr, stream: int) -> None:
@@ -233,18 +233,16 @@ class TpGroup(DeviceOwner):
         `max_rows`), then the sum."""
         states = self._check_per_rank("prefill_windowed: states", states)
         t = self._check_ranks("prefill_windowed", t, states, windows=True)
-        self._hidden_apart("prefill_windowed", hidden, t, out)
-        self._summed(t, lambda i, layer, ws: prefill_windowed(layer, gpu, hidden, t, states[i],
-                                                              ws, out, stream), stream, out)
+        self._summed("prefill_windowed", hidden, t, lambda i, layer, ws: prefill_windowed(
+            layer, gpu, hidden, t, states[i], ws, out, stream), stream, out)
 
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, states: Sequence[KdaSeqState],
                stream: int) -> None:
         """`Glm5NextKdaLayer.decode` of every held rank, then the sum."""
         states = self._check_per_rank("decode: states", states)
         self._check_ranks("decode", 1, states)
-        self._hidden_apart("decode", hidden, 1)
-        self._summed(1, lambda i, layer, ws: layer.decode(gpu, hidden, states[i], ws, stream),
-                     stream)
+        self._summed("decode", hidden, 1, lambda i, layer, ws: layer.decode(
+            gpu, hidden, states[i], ws, stream), stream)
 
     def decode_k(self, gpu: GpuBackend, hidden: DevicePtr, k: int,
                  states: Sequence[KdaSeqState],
@@ -259,9 +257,8 @@ class TpGroup(DeviceOwner):
         k = self._check_ranks("decode_k", k, states)
         for i, (layer, _) in enumerate(self.ranks):
             layer.check_snapshots(k, snaps[i], states[i], f"tp group decode_k: rank {i}'s")
-        self._hidden_apart("decode_k", hidden, k)
-        self._summed(k, lambda i, layer, ws: layer.decode_k(gpu, hidden, k, states[i], ws,
-                                                            snaps[i], stream), stream)
+        self._summed("decode_k", hidden, k, lambda i, layer, ws: layer.decode_k(
+            gpu, hidden, k, states[i], ws, snaps[i], stream), stream)
 
     def decode_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, slots: DevicePtr,
                      pools: Sequence[KdaStatePool], stream: int) -> None:
@@ -271,9 +268,8 @@ class TpGroup(DeviceOwner):
         b = self._check_ranks("decode_batch", b, pools=pools)
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group decode_batch", hidden, b, 1, slots, pools[i], ws)
-        self._hidden_apart("decode_batch", hidden, b)
-        self._summed(b, lambda i, layer, ws: layer.decode_batch(gpu, hidden, b, slots, pools[i],
-                                                                ws, stream), stream)
+        self._summed("decode_batch", hidden, b, lambda i, layer, ws: layer.decode_batch(
+            gpu, hidden, b, slots, pools[i], ws, stream), stream)
 
     def verify_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, k: int,
                      slots: DevicePtr, pools: Sequence[KdaStatePool],
@@ -283,8 +279,7 @@ class TpGroup(DeviceOwner):
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group verify_batch", hidden, b, k, slots, pools[i], ws,
                               snapshot_slots)
-        self._hidden_apart("verify_batch", hidden, b * k)
-        self._summed(b * k, lambda i, layer, ws: layer.verify_batch(
+        self._summed("verify_batch", hidden, b * k, lambda i, layer, ws: layer.verify_batch(
             gpu, hidden, b, k, slots, pools[i], ws, snapshot_slots, stream), stream)
 
     def prefill_packed(self, gpu: GpuBackend, hidden: DevicePtr, cu_seqlens: Sequence[int],
@@ -305,9 +300,8 @@ class TpGroup(DeviceOwner):
             except KdaError as e:
                 raise KdaError(f"tp group rank {i}: {e}") from None
         rows = int(packs[0].bounds[-1])
-        self._hidden_apart("prefill_packed", hidden, rows, out)
-        self._summed(rows, lambda i, layer, ws: run_pack(layer, gpu, hidden, packs[i], pools[i],
-                                                         ws, out, stream), stream, out)
+        self._summed("prefill_packed", hidden, rows, lambda i, layer, ws: run_pack(
+            layer, gpu, hidden, packs[i], pools[i], ws, out, stream), stream, out)
 
 
 # -- the states of a group: a rank's share of a state, and the whole from the ranks' ---------
@@ -406,20 +400,22 @@ def launch(tp_size: int, work: Callable[..., Any], *args: Any) -> list[Any]:
 def gather(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
     """The ranks' results from `results` ((rank, ok, value) a rank), in rank order, while
     `procs` (rank r is procs[r]) run. A failed rank's error is raised; so is a rank that
-    exited without a result (killed: a crash, the OOM killer), at once rather than after
-    `timeout_s`, since its peers wait in NCCL for it; the others are then ended."""
-    size, got = len(procs), {}
+    exited without a result (killed: a crash, the OOM killer), once a whole poll after its exit
+    brought nothing (a result may trail its sender's exit), rather than after `timeout_s`,
+    since its peers wait in NCCL for it; the others are then ended."""
+    size, got, gone = len(procs), {}, set()  # gone: exited without a result, a poll ago
     deadline = time.monotonic() + timeout_s
     try:
         while len(got) < size:
             try:
                 rank, ok, value = results.get(timeout=GATHER_POLL_S)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-                if dead and not _drained(results, got, size):  # a result may trail its exit
-                    r = dead[0]
+                dead = {r for r, p in enumerate(procs) if r not in got and p.exitcode is not None}
+                if dead & gone:
+                    r = min(dead & gone)
                     raise KdaError(f"tp rank {r} of {size} exited with code {procs[r].exitcode} "
                                    "without a result (killed, or crashed)") from None
+                gone = dead
                 if time.monotonic() > deadline:
                     raise KdaError(f"tp launch: no result from ranks "
                                    f"{sorted(set(range(size)) - set(got))} within "
@@ -434,19 +430,6 @@ def gather(procs: Sequence[Any], results: Any, timeout_s: float) -> list[Any]:
                 p.terminate()
             p.join()
     return [got[r] for r in range(size)]
-
-
-def _drained(results: Any, got: dict[int, Any], size: int) -> bool:
-    """Take what `results` still holds into `got` (raising a failed rank's error); whether
-    every rank's result is then in."""
-    while True:
-        try:
-            rank, ok, value = results.get(timeout=GATHER_POLL_S)
-        except queue.Empty:
-            return len(got) == size
-        if not ok:
-            raise KdaError(f"tp rank {rank} of {size} failed: {value}")
-        got[rank] = value
 
 
 def _rank_main(rank: int, size: int, uid: Any, work: Callable[..., Any], args: tuple,
