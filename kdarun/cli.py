@@ -27,12 +27,13 @@ from .checkpoint import Checkpoint
 from .config import LAYOUTS, MAX_DECODE_ROWS
 from .errors import KdaError
 from .loader import load_stack, stack_nbytes
+from .reference import KDARUN, KDARUN_LABEL
 from .run import (DEMO, TP_MODES, ErrorReport, RunPlan, claim_output, compare,
                   open_run_checkpoint, random_hidden, read_hidden, reference_of, run_layer,
                   run_tp, write_output)
 from .tp import launch, visible_gpus
 
-E2E_TOL = 1e-2  # end-to-end rel error vs float64: bf16 rounding lands near 5e-3
+E2E_TOL = 1e-2  # end-to-end rel error vs reference.KDARUN (measured in docs/design.md)
 TP_MODE_CHOICES = ("auto", *TP_MODES)
 FORCE_HELP = "Replace what the output path already holds (never an input or a checkpoint file)."
 
@@ -186,7 +187,8 @@ def main(debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_path, output_path,
               force, seed, dump_dir, batch, tp, tp_mode, as_json) -> None:
-    """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference.
+    """Run one KDA layer (prefill, decodes, decode_k) and compare with the float64 reference
+    (rounded to bf16 where kdarun's buffers are bf16).
 
     With no CHECKPOINT it runs the built-in tiny demo checkpoint."""
     from .stages import StageRecorder, claim_dump, fingerprint, write_dump
@@ -271,7 +273,7 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             finally:
                 stack.free(gpu)
         tensors = ckpt.layer_tensors(layer_idx)
-        ref = reference_of(ckpt, layer_idx, hidden, tensors)
+        ref = reference_of(ckpt, layer_idx, hidden, tensors, KDARUN)
         run.update(layer=layer_idx, backend=gpu.name, device=gpu.device_name, seed=seed,
                    plan=vars(plan), config=cfg.to_hf(),
                    input={"path": str(Path(input_path).resolve())} if input_path else "random",
@@ -295,7 +297,8 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
             "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
             "tp": tp, "tp_mode": tp_run_mode,
             "wall_ms": result.wall_ms, "final_out": vars(out_err),
-            "recurrent_state": vars(state_err), "tolerance": E2E_TOL, "ok": ok,
+            "recurrent_state": vars(state_err), "reference": KDARUN_LABEL,
+            "tolerance": E2E_TOL, "ok": ok,
             "dump": dump_dir}))
     else:
         wall = ", ".join(f"{p} {ms:.2f} ms" for p, ms in result.wall_ms.items())
@@ -310,8 +313,9 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         ] + ([("tensor parallel", f"{tp} ranks of {cfg.num_heads // tp} head(s), "
                                   f"{tp_run_mode}")] if tp > 1 else []) + [
             ("wall time", wall + (" (with stage dumps)" if dump else "")),
-            ("final_out vs float64", _error_text(out_err)),
-            ("state vs float64", _error_text(state_err)),
+            ("reference", KDARUN_LABEL),
+            ("final_out vs reference", _error_text(out_err)),
+            ("state vs reference", _error_text(state_err)),
             ("result", f"{'PASS' if ok else 'FAIL'} (tolerance rel < {E2E_TOL:g}, no NaN/Inf)"),
         ] + ([("stages", f"{len(recorder.records)} written to {dump_dir}")] if dump else [])))
     if not ok:
@@ -367,7 +371,8 @@ def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_promp
             click.echo(f"  {c.sequence:>4} {c.slot:>5} {c.prefill:>8} {c.out_rel:>14.3e} "
                        f"{c.state_rel:>10.3e}  {'PASS' if c.ok else 'FAIL'}")
         click.echo(f"result: {'PASS' if ok else 'FAIL'}, {sum(c.ok for c in checks)} of {n} "
-                   f"sequences within rel < {BATCH_TOL:g} of float64, no NaN/Inf")
+                   f"sequences within rel < {BATCH_TOL:g} of the reference ({KDARUN_LABEL}), "
+                   "no NaN/Inf")
         if dump is not None:
             click.echo(f"stages: {len(recorder.records)} written to {dump.path}")
     if not ok:
@@ -379,7 +384,8 @@ def _layer_run_batch(gpu, ckpt_path: str, cfg, layer_idx: int, n: int, max_promp
 @click.option("--against", "against", type=_Path(file_okay=False),
               help="Another dump of the same run (e.g. the other backend).")
 @click.option("--reference", "use_reference", is_flag=True,
-              help="Compare with the float64 reference fed the dumped input.")
+              help="Compare with the float64 reference fed the dumped input (rounded to bf16 "
+                   "where kdarun's buffers are bf16).")
 @click.option("--only", multiple=True, help="Only these stages (key or buffer name); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 def stages_cmd(dump, against, use_reference, only, as_json) -> None:

@@ -148,7 +148,9 @@ def _conv_decode(gpu, x_row, conv_state, conv_w, out_row, conv_dim, qkv, W, D):
     S = gpu.view(conv_state, (W - 1, conv_dim), BF16)
     x = gpu.view(x_row, conv_dim, BF16)
     xs = np.concatenate([S, x[None]]).astype(F32)
-    y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, 1)[0])
+    # the SiLU rounded to bf16 before q's and k's L2 norm, as prefill's conv_out holds it
+    y = _silu(_conv_taps(gpu.view(conv_w, (W, conv_dim), F32), xs, 1)[0]).astype(BF16)
+    y = y.astype(F32)
     y[:2 * qkv] = _rsqrt_norm(y[:2 * qkv].reshape(-1, D), L2_NORM_EPS).reshape(-1)
     gpu.view(out_row, conv_dim, BF16)[...] = y.astype(BF16)
     S[...] = np.concatenate([S[1:], x[None]])

@@ -1,10 +1,11 @@
 """The float64 oracle: one KDA block written straight from the math in docs/design.md.
 
-Independent of the kernels: no packing, no rounding points, a per-token recurrence for
-the core (`core_recurrent`), plus a chunked WY form (`core_chunked`) that must agree
-with it. Each stage is a function of its inputs, so tests can feed a stage the previous
-stage's actual output. Shapes use `T` tokens, `H` heads, `D` head dim; the recurrent
-state is stored `[H, D_v, D_k]` like the runtime's.
+Independent of the kernels: no packing, a per-token recurrence for the core
+(`core_recurrent`), plus a chunked WY form (`core_chunked`) that must agree with it. By
+default it rounds nothing (`EXACT`); `KDARUN` rounds to bf16 where kdarun's buffers are bf16
+and nowhere else (`Rounding`). Each stage is a function of its inputs, so tests can feed a
+stage the previous stage's actual output. Shapes use `T` tokens, `H` heads, `D` head dim; the
+recurrent state is stored `[H, D_v, D_k]` like the runtime's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,35 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import CHUNK, L2_NORM_EPS, Glm5NextKdaConfig
+from .dtypes import BF16
 
 F64 = np.float64
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Where the reference rounds a value to bf16 (to nearest even) and goes on in float64.
+
+    `buffers`: every value kdarun holds in a bf16 buffer before the next step reads it: the
+    projections (q|k|v, gate_in's f_a, g_a and b, g_raw, out_gate), the conv's SiLU output,
+    o_norm_out and final_out. `qk`: q and k after their L2 norm, which kdarun's conv_out holds
+    in bf16 too. `beta`: beta, which kdarun keeps in fp32 (transformers rounds it).
+    """
+    buffers: bool = False
+    qk: bool = False
+    beta: bool = False
+
+    def round(self, x: np.ndarray, at: bool) -> np.ndarray:
+        return np.asarray(x).astype(BF16).astype(F64) if at else x
+
+
+EXACT = Rounding()  # the math itself
+# kdarun's rounding points: what is left between a run and this reference is the kernels'
+# arithmetic in fp32 (and the bf16 roundings it lands on the other side of), not the bf16
+# inputs a step is handed. A few tokens whose heads' q . k nearly cancel magnify those inputs'
+# roundings past any fixed tolerance against EXACT; against KDARUN they do not.
+KDARUN = Rounding(buffers=True, qk=True)
+KDARUN_LABEL = "float64, rounded to bf16 where kdarun's buffers are bf16"
 
 
 def _f64(x: np.ndarray) -> np.ndarray:
@@ -34,12 +62,13 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * sigmoid(x)
 
 
-def projections(tensors: dict, h: np.ndarray) -> dict[str, np.ndarray]:
+def projections(tensors: dict, h: np.ndarray,
+                rounding: Rounding = EXACT) -> dict[str, np.ndarray]:
     """h [T, hidden] -> q, k, v [T, qkv]; g_raw, out_gate [T, qkv]; b_raw [T, H]."""
     h = _f64(h)
 
     def lin(name: str, x: np.ndarray) -> np.ndarray:
-        return x @ _f64(tensors[name]).T
+        return rounding.round(x @ _f64(tensors[name]).T, rounding.buffers)
 
     return {
         "q": lin("q_proj.weight", h), "k": lin("k_proj.weight", h), "v": lin("v_proj.weight", h),
@@ -50,7 +79,7 @@ def projections(tensors: dict, h: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def conv(cfg: Glm5NextKdaConfig, tensors: dict, qkv_proj: np.ndarray,
-         conv_state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+         conv_state: np.ndarray, rounding: Rounding = EXACT) -> tuple[np.ndarray, np.ndarray]:
     """Causal depthwise conv + SiLU + per-head L2 of q and k.
 
     qkv_proj [T, conv_dim], conv_state [W-1, conv_dim] (the previous rows, oldest first)
@@ -62,10 +91,10 @@ def conv(cfg: Glm5NextKdaConfig, tensors: dict, qkv_proj: np.ndarray,
     y = np.zeros((T, cfg.conv_dim))
     for j in range(W):  # tap j multiplies x_{t-W+1+j}; the last tap is the current token
         y += w[:, j] * x[j:j + T]
-    y = silu(y)
+    y = rounding.round(silu(y), rounding.buffers)
     qk = y[:, :2 * cfg.qkv].reshape(T, 2 * cfg.num_heads, cfg.head_dim)
     qk = qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + L2_NORM_EPS)
-    y[:, :2 * cfg.qkv] = qk.reshape(T, 2 * cfg.qkv)
+    y[:, :2 * cfg.qkv] = rounding.round(qk.reshape(T, 2 * cfg.qkv), rounding.qk)
     return y, x[T:]
 
 
@@ -152,22 +181,23 @@ class ReferenceRun:
 
 def layer(cfg: Glm5NextKdaConfig, tensors: dict, hidden: np.ndarray,
           recurrent_state: np.ndarray, conv_state: np.ndarray,
-          chunked: bool = False) -> ReferenceRun:
-    """The whole block over hidden [T, hidden] from the given carried states."""
+          chunked: bool = False, rounding: Rounding = EXACT) -> ReferenceRun:
+    """The whole block over hidden [T, hidden] from the given carried states, rounded to bf16
+    where `rounding` says."""
     T, H, D = hidden.shape[0], cfg.num_heads, cfg.head_dim
-    p = projections(tensors, hidden)
+    p = projections(tensors, hidden, rounding)
     qkv_proj = np.concatenate([p["q"], p["k"], p["v"]], axis=1)
-    conv_out, new_conv = conv(cfg, tensors, qkv_proj, conv_state)
+    conv_out, new_conv = conv(cfg, tensors, qkv_proj, conv_state, rounding)
     g = gate(cfg, tensors, p["g_raw"])
-    bt = beta(p["b_raw"])
+    bt = rounding.round(beta(p["b_raw"]), rounding.beta)
     q, k, v = (conv_out[:, i * cfg.qkv:(i + 1) * cfg.qkv].reshape(T, H, D) for i in range(3))
     core_fn = core_chunked if chunked else core_recurrent
     core, S = core_fn(cfg, q, k, v, g, bt, recurrent_state)
-    onorm = gated_rmsnorm(cfg, tensors, core, p["out_gate"])
+    onorm = rounding.round(gated_rmsnorm(cfg, tensors, core, p["out_gate"]), rounding.buffers)
     stages = {
         "qkv_parts": np.stack([p["q"], p["k"], p["v"]]), "qkv_proj": qkv_proj,
         "conv_out": conv_out, "g_raw": p["g_raw"], "out_gate": p["out_gate"],
         "gate": g, "beta": bt, "core": core, "o_norm_out": onorm,
-        "final_out": o_proj(tensors, onorm),
+        "final_out": rounding.round(o_proj(tensors, onorm), rounding.buffers),
     }
     return ReferenceRun(stages, S, new_conv)

@@ -311,19 +311,21 @@ def compare(out: np.ndarray, ref: np.ndarray) -> ErrorReport:
 
 
 def reference_run(stack: KdaStack, layer_idx: int, hidden: np.ndarray,
-                  tensors: dict[str, np.ndarray] | None = None) -> reference.ReferenceRun:
+                  tensors: dict[str, np.ndarray] | None = None,
+                  rounding: reference.Rounding = reference.EXACT) -> reference.ReferenceRun:
     """The float64 reference of the whole layer (also for a tensor parallel rank's stack)
     over the same tokens from a zero state, on the layer's `tensors` (default: read whole
-    from the stack's checkpoint)."""
-    return reference_of(stack.checkpoint, layer_idx, hidden, tensors)
+    from the stack's checkpoint), rounded where `rounding` says."""
+    return reference_of(stack.checkpoint, layer_idx, hidden, tensors, rounding)
 
 
 def reference_of(ckpt: Checkpoint, layer_idx: int, hidden: np.ndarray,
-                 tensors: dict[str, np.ndarray] | None = None) -> reference.ReferenceRun:
+                 tensors: dict[str, np.ndarray] | None = None,
+                 rounding: reference.Rounding = reference.EXACT) -> reference.ReferenceRun:
     """The float64 reference of layer `layer_idx` of `ckpt` over `hidden` from a zero state,
-    on `tensors` (default: the layer's, read whole)."""
+    on `tensors` (default: the layer's, read whole), rounded where `rounding` says."""
     cfg = ckpt.config
     if tensors is None:
         tensors = ckpt.layer_tensors(layer_idx)
     return reference.layer(cfg, tensors, hidden, np.zeros(recurrent_shape(cfg)),
-                           np.zeros(conv_shape(cfg)))
+                           np.zeros(conv_shape(cfg)), rounding=rounding)

@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from . import reference
+from .reference import KDARUN, KDARUN_LABEL
 from .backend import GpuBackend
 from .checkpoint import Checkpoint, tensors_digest
 from .config import Glm5NextKdaConfig, hf_layout
@@ -285,7 +286,7 @@ def reference_stages(cfg: Glm5NextKdaConfig, tensors: dict, hidden: np.ndarray,
             out[f"{call}/{name}"] = st[name]
 
     if plan.prefill:
-        r = reference.layer(cfg, tensors, hidden[:plan.prefill], R, C)
+        r = reference.layer(cfg, tensors, hidden[:plan.prefill], R, C, rounding=KDARUN)
         front("prefill", r.stages)
         for name in ("conv_out", "core", "o_norm_out"):
             out[f"prefill/{name}"] = r.stages[name]
@@ -299,7 +300,7 @@ def reference_stages(cfg: Glm5NextKdaConfig, tensors: dict, hidden: np.ndarray,
     for call, n in calls:
         rows = []
         for row in range(n):
-            r = reference.layer(cfg, tensors, hidden[pos:pos + 1], R, C)
+            r = reference.layer(cfg, tensors, hidden[pos:pos + 1], R, C, rounding=KDARUN)
             for name in ("conv_out", "core", "o_norm_out"):
                 out[f"{call}/{name}[{row}]"] = r.stages[name]
             out[f"{call}/state.recurrent[{row}]"] = r.recurrent_state
@@ -463,7 +464,7 @@ def compare_stages(dump: str | Path, against: str | Path | None = None,
         expect = (reference_batch_stages(ckpt.config, tensors, hidden, plan,
                                          d.run["batch"]["lengths"]) if "batch" in d.run
                   else reference_stages(ckpt.config, tensors, hidden, plan))
-        label = "the float64 reference"
+        label = f"the reference ({KDARUN_LABEL})"
     else:
         o = load_dump(against)
         _check_same_run(d, o)

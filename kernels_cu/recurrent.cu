@@ -44,9 +44,10 @@ __device__ __forceinline__ void stv(float* p, const float (&v)[2]) {
     *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
 }
 
-// One token of a channel's causal conv + SiLU: the input enters tap W-1, the W taps are
-// weighted in order, and the taps roll by one for the next token (compile-time indices keep
-// tap[] in registers).
+// One token of a channel's causal conv + SiLU, rounded to bf16 as prefill's conv rounds it
+// before q's and k's L2 norm (so both paths norm the same kind of value): the input enters tap
+// W-1, the W taps are weighted in order, and the taps roll by one for the next token
+// (compile-time indices keep tap[] in registers).
 __device__ __forceinline__ float conv_row(bf16 (&tap)[MAX_CONV_KERNEL],
                                           const float (&wt)[MAX_CONV_KERNEL], bf16 xin, int W) {
 #pragma unroll
@@ -59,7 +60,7 @@ __device__ __forceinline__ float conv_row(bf16 (&tap)[MAX_CONV_KERNEL],
 #pragma unroll
     for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j)
         if (j < W - 1) tap[j] = tap[j + 1];
-    return acc * sigmoidf_(acc);
+    return bf2f(f2bf(acc * sigmoidf_(acc)));
 }
 
 // A channel's carried taps and weights [W-1] / [W] from conv_state / conv_w (column c).

@@ -24,6 +24,10 @@ STATE_TOL = 8e-3  # measured <= 4.0e-3
 # Stage-local: each stage fed the buffers the previous kernel actually wrote.
 BF16_OUT_TOL = 3e-3  # one bf16 rounding of the output: measured <= 1.8e-3
 FP32_TOL = 1e-4  # fp32 arithmetic only
+# A stage against the float64 reference rounded where kdarun rounds (reference.KDARUN), fed the
+# stage's own inputs: what is left is fp32 arithmetic and the rare value it lands on the other
+# side of a bf16 rounding (one unrounded point, the SiLU's, measured 2.6e-3).
+ROUNDED_TOL = 5e-4
 
 
 def host_with_sms(sm_count: int) -> GpuBackend:

@@ -11,7 +11,7 @@ from kdarun import KdaError, reference
 from kdarun.dtypes import BF16
 from kdarun.run import random_hidden
 
-from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, STATE_TOL, Env,
+from .helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, GATES, ROUNDED_TOL, STATE_TOL, Env,
                       assert_decode_k_matches_serial, assert_poisoned_pad_changes_nothing,
                       assert_windowed_matches_one, bits, rel)
 
@@ -53,6 +53,9 @@ def test_prefill_stage_local(env):
     conv, _ = reference.conv(cfg, env.tensors, rd("qkv_proj"), C.astype(np.float64))
     # prefill rounds conv+SiLU to bf16 before the L2 norm, so two bf16 roundings
     assert rel(rd("conv_out"), conv) < 2 * BF16_OUT_TOL
+    conv, _ = reference.conv(cfg, env.tensors, rd("qkv_proj"), C.astype(np.float64),
+                             reference.KDARUN)
+    assert rel(rd("conv_out"), conv) < ROUNDED_TOL
     core, S = env.core_reference(T, R)
     assert rel(rd("core")[:T], core) < FP32_TOL
     assert rel(state.download()[0], S) < FP32_TOL
@@ -85,6 +88,9 @@ def test_decode_stage_local(env):
     row = ws.read("conv_out", 1).astype(np.float64)
     q, k, v = (row[:, i * qkv:(i + 1) * qkv].reshape(1, H, D) for i in range(3))
     assert np.allclose(np.linalg.norm(q, axis=-1), 1, atol=1e-2)  # L2 fused into the conv
+    conv, _ = reference.conv(cfg, env.tensors, ws.read("qkv_proj", 1).astype(np.float64),
+                             C.astype(np.float64), reference.KDARUN)
+    assert rel(row, conv) < ROUNDED_TOL  # prefill's rounding points: SiLU's, then the L2's
     g, b = ws.read("gate", 1)[:1], ws.read("beta", 1)[:1]
     core, S = reference.core_recurrent(cfg, q, k, v, g, b, R)
     assert rel(ws.read("core", 1)[:1], core) < FP32_TOL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -62,3 +63,31 @@ def test_conv_is_causal_with_carried_state():
     assert np.array_equal(s_end, s_whole)
     qn = np.linalg.norm(whole[:, :cfg.head_dim], axis=-1)
     assert np.allclose(qn, 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("rounding", [reference.EXACT, reference.KDARUN,
+                                      reference.Rounding(buffers=True, beta=True)])
+def test_rounding_points(rounding):
+    """Each stage is bf16-representable exactly where `rounding` rounds it, and the stages
+    after a rounding point are computed from the rounded value."""
+    cfg = synthetic.preset_config("tiny", layers=4)
+    t = synthetic.synth_layer_tensors(cfg, np.random.default_rng(0))
+    h = np.random.default_rng(1).standard_normal((6, cfg.hidden_size)).astype(ml_dtypes.bfloat16)
+    R = np.zeros((cfg.num_heads, cfg.head_dim, cfg.head_dim))
+    r = reference.layer(cfg, t, h, R, np.zeros((cfg.conv_kernel - 1, cfg.conv_dim)),
+                        rounding=rounding)
+    s = r.stages
+
+    def is_bf16(x):
+        return np.array_equal(np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float64), x)
+
+    for name in ("qkv_proj", "g_raw", "out_gate", "o_norm_out", "final_out"):
+        assert is_bf16(s[name]) == rounding.buffers, name
+    assert is_bf16(s["conv_out"][:, 2 * cfg.qkv:]) == rounding.buffers  # v: the SiLU's point
+    assert is_bf16(s["conv_out"][:, :2 * cfg.qkv]) == rounding.qk
+    assert is_bf16(s["beta"]) == rounding.beta
+    assert np.array_equal(s["gate"], reference.gate(cfg, t, s["g_raw"]))
+    q, k, v = (s["conv_out"][:, i * cfg.qkv:(i + 1) * cfg.qkv].reshape(6, cfg.num_heads, -1)
+               for i in range(3))
+    core, _ = reference.core_recurrent(cfg, q, k, v, s["gate"], s["beta"], R)
+    assert np.array_equal(s["core"], core)

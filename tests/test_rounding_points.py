@@ -23,7 +23,7 @@ def test_model_of_kdarun_points_matches_the_host_backend(ckpts, host):
     t = Checkpoint(ckpts["bounded"]).layer_tensors(1)
     h = random_hidden(80, stack.cfg.hidden_size, seed=3)
     res = run_layer(host, stack, 1, h, RunPlan(80, 0, 0))
-    ours, theirs = (rounding_points.rounded_layer(stack.cfg, t, h, *rounding_points.VARIANTS[v])
+    ours, theirs = (rounding_points.rounded_layer(stack.cfg, t, h, rounding_points.VARIANTS[v])
                     for v in ("kdarun points", "transformers points"))
     near = compare(res.recurrent_state, ours[1]).rel
     far = compare(res.recurrent_state, theirs[1]).rel

@@ -8,11 +8,11 @@ L2-normalised q and k into bf16 (`conv_out`) and keeps beta = sigmoid(b) in fp32
 keeps the normalised q and k in fp32 inside the delta rule and rounds beta to bf16. The table
 gives the relative error of final_out and of the final recurrent state against
 `kdarun.reference` (float64, unrounded) over T tokens from a zero state, for kdarun's host
-backend and for `rounded_layer`: the float64 stages rounded to bf16 at the points common to
-both (every projection, the low-rank gates' inner f_a and g_a included; the conv's SiLU output;
-the gated RMSNorm's output, which takes the core's output unrounded; final_out) and at each
-combination of the two points in question. Between rounding points the model computes in
-float64 where kdarun's kernels compute in fp32.
+backend and for `rounded_layer`: the float64 reference rounded to bf16 at the points common
+to both (`kdarun.reference.Rounding.buffers`: every projection, the low-rank gates' inner f_a
+and g_a included; the conv's SiLU output; the gated RMSNorm's output, which takes the core's
+output unrounded; final_out) and at each combination of the two points in question. Between
+rounding points the model computes in float64 where kdarun's kernels compute in fp32.
 """
 
 from __future__ import annotations
@@ -28,50 +28,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kdarun import open_backend, reference, synthetic  # noqa: E402
 from kdarun.checkpoint import Checkpoint  # noqa: E402
-from kdarun.dtypes import BF16  # noqa: E402
 from kdarun.loader import load_stack  # noqa: E402
 from kdarun.run import RunPlan, compare, random_hidden, reference_run, run_layer  # noqa: E402
+from kdarun.state import conv_shape, recurrent_shape  # noqa: E402
 
-VARIANTS = {  # name -> (q/k rounded to bf16 after the L2 norm, beta rounded to bf16)
-    "kdarun points": (True, False),
-    "transformers points": (False, True),
-    "neither": (False, False),
-    "both": (True, True),
+VARIANTS = {  # name -> where the float64 model rounds (reference.Rounding)
+    "kdarun points": reference.KDARUN,
+    "transformers points": reference.Rounding(buffers=True, beta=True),
+    "neither": reference.Rounding(buffers=True),
+    "both": reference.Rounding(buffers=True, qk=True, beta=True),
 }
 
 
-def bf16(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x).astype(BF16).astype(np.float64)
-
-
-def rounded_layer(cfg, t: dict, h: np.ndarray, qk_bf16: bool,
-                  beta_bf16: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The block over h [T, hidden] (bf16) from a zero state in float64, rounded to bf16 at the
-    common points and, by the flags, at q/k after the L2 norm and at beta. `t` holds the
-    layer's tensors as `Checkpoint.layer_tensors` returns them. Returns final_out [T, hidden]
-    and the recurrent state [H, Dv, Dk]."""
-    T, H, D, W = h.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_kernel
-    h = h.astype(np.float64)
-
-    def lin(x: np.ndarray, name: str) -> np.ndarray:
-        return bf16(x @ t[name].astype(np.float64).T)
-
-    qkv = np.concatenate([lin(h, f"{p}_proj.weight") for p in "qkv"], axis=1)
-    x = np.concatenate([np.zeros((W - 1, cfg.conv_dim)), qkv])  # a zero conv state first
-    w = np.concatenate([t[f"{p}_conv1d.weight"].astype(np.float64) for p in "qkv"])
-    y = bf16(reference.silu(sum(w[:, j] * x[j:j + T] for j in range(W))))
-    qk = y[:, :2 * cfg.qkv].reshape(T, 2, H, D)
-    qk = qk / np.sqrt((qk * qk).sum(-1, keepdims=True) + 1e-6)
-    qk = bf16(qk) if qk_bf16 else qk
-    beta = reference.beta(lin(h, "b_proj.weight"))
-    g = reference.gate(cfg, t, lin(lin(h, "f_a_proj.weight"), "f_b_proj.weight"))
-    core, state = reference.core_recurrent(cfg, qk[:, 0], qk[:, 1],
-                                           y[:, 2 * cfg.qkv:].reshape(T, H, D), g,
-                                           bf16(beta) if beta_bf16 else beta,
-                                           np.zeros((H, D, D)))
-    out_gate = lin(lin(h, "g_a_proj.weight"), "g_b_proj.weight")
-    o = bf16(reference.gated_rmsnorm(cfg, t, core, out_gate))
-    return bf16(reference.o_proj(t, o)), state
+def rounded_layer(cfg, t: dict, h: np.ndarray,
+                  rounding: reference.Rounding) -> tuple[np.ndarray, np.ndarray]:
+    """The block over h [T, hidden] (bf16) from a zero state in float64, rounded to bf16 where
+    `rounding` says. `t` holds the layer's tensors as `Checkpoint.layer_tensors` returns them.
+    Returns final_out [T, hidden] and the recurrent state [H, Dv, Dk]."""
+    r = reference.layer(cfg, t, h, np.zeros(recurrent_shape(cfg)), np.zeros(conv_shape(cfg)),
+                        rounding=rounding)
+    return r.stages["final_out"], r.recurrent_state
 
 
 def measure(ckpt: str, layer_idx: int, tokens: list[int], seed: int = 0) -> list[dict]:
@@ -86,7 +62,7 @@ def measure(ckpt: str, layer_idx: int, tokens: list[int], seed: int = 0) -> list
         ref = reference_run(stack, layer_idx, h)
         res = run_layer(host, stack, layer_idx, h, RunPlan(T, 0, 0))
         runs = {"kdarun host backend": (res.final_out, res.recurrent_state)}
-        runs |= {name: rounded_layer(stack.cfg, t, h, *flags) for name, flags in VARIANTS.items()}
+        runs |= {name: rounded_layer(stack.cfg, t, h, r) for name, r in VARIANTS.items()}
         for name, (out, state) in runs.items():
             rows.append({"tokens": T, "run": name,
                          "final_out": compare(out, ref.stages["final_out"]).rel,

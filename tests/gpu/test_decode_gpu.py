@@ -10,8 +10,8 @@ from kdarun import kernels, reference
 from kdarun.kernels import Glm5NextKdaKernels
 from kdarun.run import random_hidden
 
-from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, STATE_TOL, assert_decode_k_matches_serial,
-                       bits, rel)
+from ..helpers import (BF16_OUT_TOL, E2E_TOL, FP32_TOL, ROUNDED_TOL, STATE_TOL,
+                       assert_decode_k_matches_serial, bits, rel)
 
 BUFFERS_1ROW = ("qkv_parts", "qkv_proj", "conv_out", "g_raw", "out_gate", "o_norm_out",
                 "final_out")
@@ -53,6 +53,9 @@ def test_decode_stages_match_host_and_reference(pair):
     assert rel(s_cu.download()[0], S) < FP32_TOL
     gate = reference.gate(cfg, cu.tensors, cu.ws.read("g_raw", 1))
     assert rel(cu.ws.read("gate", 1)[:1], gate) < FP32_TOL
+    conv, _ = reference.conv(cfg, cu.tensors, cu.ws.read("qkv_proj", 1).astype(np.float64),
+                             C.astype(np.float64), reference.KDARUN)
+    assert rel(row, conv) < ROUNDED_TOL  # prefill's rounding points: SiLU's, then the L2's
 
 
 def test_decode_norm_bit_identical_to_prefill_norm(pair):
