@@ -396,9 +396,8 @@ class PrefillResult:
     fla_core_ms: float | None = None
     # FlashKDA's forward (its whole core: gates, beta, L2 norms, the chunked recurrence; fp32
     # state in and out) on the same shapes, where it is importable and applies (bounded gate,
-    # D = 128); kdarun's like for like is core_ms + the gate_beta step
+    # D = 128); kdarun's like for like is core_ms, whose intra kernel forms the decay and beta
     flashkda_core_ms: float | None = None
-    core_gate_ms: float | None = None  # core_ms + the gate_beta step: FlashKDA's like for like
     kernels_ms: dict | None = None  # each non-GEMM step of one prefill, timed in the layer
     # Where the layer runs the Hopper walk: both walks timed alone, in turn, on the operands
     # the layer's intra kernel left; the portable core is the layer's intra step plus its walk
@@ -442,8 +441,7 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
             kernels = {step.name: steps[step.name] for step in table if not step.gemm}
             r = PrefillResult(preset, t, ms, core, gemm, t / ms * 1e3,
                               prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
-                              flashkda_core_ms=others[-1] if flashkda_timer else None,
-                              core_gate_ms=core + steps["gate_beta"])
+                              flashkda_core_ms=others[-1] if flashkda_timer else None)
             if portable is not None:
                 chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
                 r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(

@@ -529,7 +529,7 @@ def _parse_mix(text: str) -> list[tuple[int, int]]:
                    "in turn with kdarun's layer, rep by rep).")
 @click.option("--flashkda/--no-flashkda", "with_flashkda", default=True, show_default=True,
               help="Prefill: also time FlashKDA's forward (bounded gate, D = 128) where "
-                   "flash_kda is importable, beside the core and gate (vs_flashkda).")
+                   "flash_kda is importable, beside the core (vs_flashkda).")
 @_tp_options(" (bench: decode and decode-k; in-turn is timed with one rank alone too)")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, with_flashkda, tp, tp_mode,
@@ -565,7 +565,7 @@ def bench_cmd(preset, mode, k, batch, graph, tokens, mix, with_fla, with_flashkd
         for r in bench.bench_prefill(gpu, preset, tokens, stream, fla=use_fla,
                                      flashkda=use_flashkda):
             rows.append(vars(r) | {"vs_fla": r.fla_ms / r.ms if r.fla_ms else None,
-                                   "vs_flashkda": r.flashkda_core_ms / r.core_gate_ms
+                                   "vs_flashkda": r.flashkda_core_ms / r.core_ms
                                    if r.flashkda_core_ms else None})
     elif mode == "varlen":
         for r in bench.bench_varlen(gpu, preset, mix, stream, fla=use_fla):

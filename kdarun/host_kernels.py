@@ -285,13 +285,6 @@ def _decode_sequence(gpu, D, x, conv_state, conv_w, conv_out, gate, beta, state,
 # whose CUDA layouts are private to chunk.cu (its walk's shared-memory images). The twins keep
 # the same quantities there as plain fp32 blocks [chunk, head, rows, cols]: the host mirrors
 # the chunked algebra, not the device's operand images, which the GPU tests pin.
-def _chunk_rows(gpu, ptr, t_pad, H, D, c0, valid):
-    """Rows [c0, c0+C) of a [t_pad, H, D] fp32 buffer as [H, C, D], rows not `valid` selected
-    to 0 (a select, not a multiply, so NaN or 1e30 in the pad cannot leak)."""
-    x = gpu.view(ptr, (t_pad, H, D), F32)[c0:c0 + CHUNK].transpose(1, 0, 2)
-    return np.where(valid[None, :, None], x, f32(0))
-
-
 def _token_rows(x, row0, n, H, D):
     """A chunk's q, k, v [H, C, D] fp32 from conv_out x [T, 3, H, D] bf16: packed rows row0..
     row0 + n - 1, zeros past them (rows past a segment are never read)."""
@@ -306,17 +299,20 @@ def _chunk_blocks(gpu, ptr, t_pad, H, *shape):
 
 
 def _kda_chunk_intra(D):
-    def run(gpu, conv_out, gate, beta, qg, kd, gl, w, u, aqk, segs, nseg, t, t_pad, H, scale):
+    def run(gpu, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded, qg, kd, gl,
+            w, u, aqk, segs, nseg, t, t_pad, H, scale):
         causal = np.tril(np.ones((CHUNK, CHUNK), bool))
         x = gpu.view(conv_out, (t, 3, H, D), BF16)
+        g_all, b_all = _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound,
+                                  bounded)  # [t, H, D], [t, H]: kda_gate_beta's values
         for ci, sg, lt0 in ((sg[0] + i, sg, i * CHUNK) for sg in _segments(gpu, segs, nseg, t)
                             for i in range(sg[1])):
-            c0, n = ci * CHUNK, min(CHUNK, sg[3] - lt0)  # n: the chunk's rows that are tokens
-            valid = np.arange(CHUNK) < n
+            n = min(CHUNK, sg[3] - lt0)  # the chunk's rows that are tokens
             qc, kc, vc = _token_rows(x, sg[2] + lt0, n, H, D)
-            gc = _chunk_rows(gpu, gate, t_pad, H, D, c0, valid)
+            rows = slice(sg[2] + lt0, sg[2] + lt0 + n)
+            gc, bc = np.zeros((H, CHUNK, D), F32), np.zeros((H, CHUNK), F32)
+            gc[:, :n], bc[:, :n] = g_all[rows].transpose(1, 0, 2), b_all[rows].T
             qc = qc * f32(scale)
-            bc = np.where(valid[None], gpu.view(beta, (t_pad, H), F32)[c0:c0 + CHUNK].T, f32(0))
             G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
             g_last = G[:, -1:, :]
             _chunk_blocks(gpu, gl, t_pad, H, D)[ci] = np.exp(g_last[:, 0])

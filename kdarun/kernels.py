@@ -711,21 +711,23 @@ class Glm5NextKdaKernels:
             raise KdaError(f"{name}: need 1 <= nrows <= {MAX_DECODE_ROWS} and 0 <= nsnap < "
                            f"nrows, got nrows={nrows} nsnap={nsnap}")
 
-    def kda_chunk_intra(self, stream: int, conv_out: DevicePtr, gate: DevicePtr,
-                        beta: DevicePtr, qg: DevicePtr, kd: DevicePtr, gl: DevicePtr,
-                        w: DevicePtr, u: DevicePtr, aqk: DevicePtr, t: int,
-                        segs: SegmentTable | None = None) -> None:
+    def kda_chunk_intra(self, stream: int, conv_out: DevicePtr, g_raw: DevicePtr,
+                        b_raw: DevicePtr, ldb: int, a_log: DevicePtr, dt_bias: DevicePtr,
+                        qg: DevicePtr, kd: DevicePtr, gl: DevicePtr, w: DevicePtr, u: DevicePtr,
+                        aqk: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
         """Every chunk's WY factors, in parallel: the chunked core's first half, from q, k, v
-        in conv_out [t, conv_dim] bf16 (packed rows: each segment's tokens, or t tokens) and
-        gate [t_pad, H, D], beta [t_pad, H] fp32 (padded rows). It writes the walk's operands
-        qg, kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to
-        chunk.cu); rows past a segment's tokens are never read."""
+        in conv_out [t, conv_dim] bf16, g_raw [t, qkv] and b_raw (row stride ldb) bf16 (packed
+        rows: each segment's tokens, or t tokens), whose decay and beta it forms as
+        kda_gate_beta does (a_log [H], dt_bias [qkv] fp32). It writes the walk's operands qg,
+        kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to chunk.cu);
+        rows past a segment's tokens are never read."""
         c = self.cfg
         table, n, t_pad = self._segments(t, segs)
         self._launch("chunk", f"kda_chunk_intra_d{c.head_dim}",
                      LaunchConfig((t_pad // CHUNK, c.num_heads, 1), (THREADS, 1, 1)),
-                     (conv_out, gate, beta, qg, kd, gl, w, u, aqk, table, i32(n), i32(t),
-                      i32(t_pad), i32(c.num_heads), f32(c.scale)), stream)
+                     (conv_out, g_raw, b_raw, i32(ldb), a_log, dt_bias, *self._gate_form(), qg,
+                      kd, gl, w, u, aqk, table, i32(n), i32(t), i32(t_pad), i32(c.num_heads),
+                      f32(c.scale)), stream)
 
     @property
     def chunk_inter_name(self) -> str:

@@ -379,8 +379,8 @@ class Glm5NextKdaLayer:
                      ws: Glm5NextKdaWorkspace, segs: SegmentTable) -> list[Step]:
         """prefill's steps over t packed rows of hidden [t, hidden] bf16 holding the segments
         of the device table `segs` (kernels.segment_table), their states in `pool`: the GEMMs,
-        the norm and o_proj run over the t packed rows; gate_beta, the conv and the chunk
-        kernels over the segments' chunks, each reading only its segment's tokens."""
+        the norm and o_proj run over the t packed rows; the conv and the chunk kernels over
+        the segments' chunks, each reading only its segment's tokens."""
         return self._prefill_steps(hidden, t, pool.conv, pool.recurrent, ws, 0.0, segs)
 
     def _conv(self, stream: int, ws: Glm5NextKdaWorkspace, conv_state: DevicePtr, t: int,
@@ -395,6 +395,20 @@ class Glm5NextKdaLayer:
         if self.stage_hook is not None:
             kn.prefill_stage_copies(stream, ws.qkv_proj, ws.conv_out, ws.qkv_parts, ws.q_f32,
                                     ws.k_f32, ws.v_f32, t, pad_fill, segs)
+
+    def _intra(self, stream: int, ws: Glm5NextKdaWorkspace, b_raw: DevicePtr,
+               chunk: tuple[DevicePtr, ...], t: int, pad_fill: float,
+               segs: SegmentTable | None) -> None:
+        """The chunk_intra step: the chunk's operands, from conv_out, g_raw and b_raw, and,
+        only when a stage hook will read them, the decay and beta it formed on the way, from
+        kda_gate_beta (the same formula: gate.cuh) into gate and beta, padded rows pad_fill.
+        No kernel reads those two, so without a hook nothing would."""
+        c, w, kn = self.cfg, self.weights, self.kernels
+        if self.stage_hook is not None:
+            kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.gate_in_width, w.a_log, w.dt_bias,
+                             ws.gate, ws.beta, t, segs, pad_fill)
+        kn.kda_chunk_intra(stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
+                           w.dt_bias, *chunk, t, segs)
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
@@ -421,16 +435,12 @@ class Glm5NextKdaLayer:
             Step("g_b_gemm", "gemm_bf16", ("out_gate",),
                  lambda s: kn.gemm_bf16(s, g_a, c.gate_in_width, w.g_b, ws.out_gate, c.qkv, t,
                                         c.qkv, c.rank), gemm=True),
-            Step("gate_beta", "kda_gate_beta", ("gate", "beta"),
-                 lambda s: kn.kda_gate_beta(s, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                                            w.dt_bias, ws.gate, ws.beta, t, segs, pad_fill)),
             Step("conv", f"{kn.prefill_conv_name}, conv_roll_state, prefill_stage_copies",
                  ("qkv_parts", "conv_out", "q_f32", "k_f32", "v_f32", *state_writes[0]),
                  lambda s: self._conv(s, ws, conv_state, t, pad_fill, segs)),
-            Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}",
-                 tuple(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk")),
-                 lambda s: kn.kda_chunk_intra(s, ws.conv_out, ws.gate, ws.beta, *chunk, t,
-                                              segs)),
+            Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}, kda_gate_beta",
+                 ("gate", "beta", *(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk"))),
+                 lambda s: self._intra(s, ws, b_raw, chunk, t, pad_fill, segs)),
             Step("chunk_inter", kn.chunk_inter_name, ("core", *state_writes[1]),
                  lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
@@ -449,9 +459,9 @@ class Glm5NextKdaLayer:
     def prefill_with_pad_fill(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
                               state: KdaSeqState, ws: Glm5NextKdaWorkspace, pad_fill: float,
                               stream: int) -> None:
-        """`prefill` with the padded rows of gate and beta (and of q/k/v_f32, where a stage
-        hook has them filled) primed to `pad_fill`. The chunk kernels guard past t, so any
-        fill (NaN, 1e30) must leave outputs and state unchanged."""
+        """`prefill` with the padded rows of the stage buffers a stage hook has filled (gate,
+        beta, q/k/v_f32) written as `pad_fill`. No kernel reads them, so any fill (NaN, 1e30)
+        must leave outputs and state unchanged."""
         DevicePtr.check(hidden, "prefill: hidden")
         _check_state(state, "prefill")
         ws.check_tokens(t, "prefill", " or prefill in windows (kdarun.layer.prefill_windowed)")

@@ -77,9 +77,12 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("v_f32", lambda c, t, tp: (tp, c.qkv), F32, True, "[T_pad, H*D]",
                "v widened (written only for a stage hook), tail = pad_fill", 8e-3,
                padded=True),  # <= 3.5e-3
-    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]", "log-decay from kda_gate, <= 0", 4e-3, padded=True),  # an fp32 map of bf16 inputs: <= 1.3e-3
+    BufferSpec("gate", _heads, F32, True, "[T_pad, H, D]",
+               "log-decay, <= 0 (prefill writes it only for a stage hook), tail = pad_fill",
+               4e-3, padded=True),  # an fp32 map of bf16 inputs: <= 1.3e-3
     BufferSpec("beta", lambda c, t, tp: (tp, c.num_heads), F32, True, "[T_pad, H]",
-               "sigmoid(b_proj(h))", 2e-3, padded=True),  # <= 4.7e-4
+               "sigmoid(b_proj(h)) (prefill writes it only for a stage hook), tail = pad_fill",
+               2e-3, padded=True),  # <= 4.7e-4
     BufferSpec("core", _heads, F32, True, "[T_pad, H, D]", "KDA core output, before o_norm", 1.5e-2),  # the end of the chain: <= 7.0e-3
     BufferSpec("g_raw", _rows(lambda c: c.qkv), BF16, True, "[T, H*D]",
                "f_b(f_a(h)), the gate input", 6e-3),  # f_a, then g_raw rounded: <= 3.5e-3

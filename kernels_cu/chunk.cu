@@ -11,14 +11,17 @@
 //     split bf16 words, one (chunk, head) block each, as the walk's shared-memory image (so
 //     one bulk copy stages each and its inner loops convert nothing); the next operands land
 //     while the current products run.
-// q, k and v come from conv_out (bf16, each segment's tokens); rows past a segment's tokens
-// are zero on load: conv_out's past them are never read (their loads read the segment's last
-// token, then are selected away), the padded gate's and beta's selected away (never
-// multiplied), so NaN or 1e30 primed into the padded tail can reach neither the outputs nor
-// the state. Decays are exponentiated as
+// q, k and v come from conv_out (bf16, each segment's tokens), the decay and beta from g_raw
+// and gate_in's b columns (bf16, the same rows), through gate.cuh's formula: kda_gate_beta's
+// fp32 values, which the intra kernel forms where it needs them rather than reading them back
+// from a [T_pad, H, D] fp32 buffer (kda_gate_beta then runs only for a stage hook). Rows past a
+// segment's tokens are zero on load: no row past them is read (their loads read the segment's
+// last token, then are selected away, never multiplied), so whatever the workspace holds there
+// can reach neither the outputs nor the state. Decays are exponentiated as
 // differences G_t - G_s with s <= t (<= 0), or, in the intra kernel's factorised diagonal
 // blocks, as differences bounded by a checked span: nothing overflows.
 #include "chunk.cuh"
+#include "gate.cuh"
 #include "sm90.cuh"
 #include "segments.cuh"
 
@@ -117,12 +120,12 @@ struct IntraLayout {
 template <int D>
 using Intra = IntraLayout<D, IntraLayout<D, 64>::FLOATS * 4 <= SMEM_PER_BLOCK ? 64 : 32>;
 
-// q, k and v are read from conv_out [T, 3 H D] bf16 (packed rows): chunk ci's rows are its
-// segment's tokens (segments.cuh), rows past the segment's end zero. The gate and beta are
-// padded rows [T_pad, H, D], [T_pad, H].
+// q, k and v are read from conv_out [T, 3 H D] bf16, g_raw from g_raw [T, H D] bf16 and b from
+// b_raw (row stride ldb) bf16, all packed rows: chunk ci's rows are its segment's tokens
+// (segments.cuh), rows past the segment's end zero.
 template <int D>
-__device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict__ gate,
-                            const float* __restrict__ beta, unsigned* __restrict__ qg_out,
+__device__ void chunk_intra(const bf16* __restrict__ x, const GateArgs ga,
+                            unsigned* __restrict__ qg_out,
                             unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             unsigned* __restrict__ aqk, const int* __restrict__ segs, int nseg,
@@ -134,17 +137,20 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict_
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
     const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CHUNK;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const u64 row0 = ((u64)c0 * H + h) * D, rstride = (u64)H * D;  // [T_pad, H, D] gate
     const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, ci), T);
     const int lt0 = c0 - sg.chunk0 * CHUNK;         // the chunk's first token of its segment
     const int valid = min(CHUNK, sg.rows - lt0);    // its rows that are tokens
     const int qkv = H * D;
     const bf16* xq = x + (u64)(sg.row0 + lt0) * 3 * qkv + h * D;  // row r: q, then k, v qkv on
+    const bf16* xg = ga.g_raw + (u64)(sg.row0 + lt0) * qkv + h * D;  // row r: this head's g_raw
     const u64 blk = ((u64)ci * H + h) * CHUNK * D;  // the outputs: one block a (chunk, head)
 
     for (int i = tid; i < 2 * CHUNK * AP; i += THREADS) A[i] = 0.0f;  // A and Aqk (Ms) accumulate
     PHASES_BEGIN;
-    if (tid < CHUNK) Bs[tid] = pick(tid < valid, beta[(u64)(c0 + tid) * H + h]);
+    if (tid < CHUNK) {  // beta, kda_gate_beta's value
+        const u64 row = (u64)sg.row0 + lt0 + min(tid, valid - 1);
+        Bs[tid] = pick(tid < valid, sigmoidf_(bf2f(ga.b_raw[row * ga.ldb + h])));
+    }
 
     for (int d0 = 0; d0 < D; d0 += DH) {
         // k, q and the gate's cumulative sum G over dimensions [d0, d0 + DH). Each thread sums
@@ -163,7 +169,8 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict_
                 qv[it] = load4_bf16(r < valid, xr);
             }
 #pragma unroll
-            for (int j = 0; j < SL; ++j) gv[j] = gate[row0 + (seg * SL + j) * rstride + d0 + d];
+            for (int j = 0; j < SL; ++j)
+                gv[j] = bf2f(xg[(u64)min(seg * SL + j, valid - 1) * qkv + d0 + d]);  // g_raw
 #pragma unroll
             for (int it = 0; it < IT; ++it) {
                 const int i = tid + it * THREADS, r = i / (DH / 4), c4 = (i % (DH / 4)) * 4;
@@ -173,10 +180,13 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const float* __restrict_
                 *reinterpret_cast<float2*>(Qs + r * P + c4) = make_float2(qq.x * scale, qq.y * scale);
                 *reinterpret_cast<float2*>(Qs + r * P + c4 + 2) = make_float2(qq.z * scale, qq.w * scale);
             }
+            // the decay once k and q are stored (their registers free): kda_gate_beta's value
+            const float a = expf(ga.a_log[h]), bias = ga.dt_bias[h * D + d0 + d];
             float run = 0.0f;
 #pragma unroll
             for (int j = 0; j < SL; ++j) {
-                run += pick(seg * SL + j < valid, gv[j]);
+                run += pick(seg * SL + j < valid, kda_gate_value(gv[j] + bias, a, ga.lower_bound,
+                                                                 ga.bounded));
                 gv[j] = run;
             }
             float* tot = Es;  // segment totals, before the scaled rows are built
@@ -688,10 +698,12 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 // structs above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
-        const bf16* conv_out, const float* gate, const float* beta, unsigned* qg, unsigned* kd, \
-        float* gl, float* w, float* u, unsigned* aqk, const int* segs, int nseg, int T,         \
-        int T_pad, int H, float scale) {                                                       \
-        chunk_intra<D>(conv_out, gate, beta, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale);  \
+        const bf16* conv_out, const bf16* g_raw, const bf16* b_raw, int ldb,                   \
+        const float* a_log, const float* dt_bias, float lower_bound, int bounded, unsigned* qg,\
+        unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, const int* segs, int nseg, \
+        int T, int T_pad, int H, float scale) {                                                \
+        const GateArgs ga{g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded};            \
+        chunk_intra<D>(conv_out, ga, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale);          \
     }                                                                                          \
     extern "C" {                                                                               \
     __constant__ int kda_chunk_intra_d##D##_smem = Intra<D>::FLOATS * 4;                       \

@@ -95,7 +95,8 @@ class Env:
 
     def core_reference(self, T: int, recurrent):
         """(core, state) of the float64 recurrence from state `recurrent`, fed what the chunked
-        core read in the last prefill of T tokens: q, k, v in conv_out, the gate and beta."""
+        core read in the last prefill of T tokens: q, k, v in conv_out, and the gate and beta
+        it formed, which that prefill's stage hook had kda_gate_beta write (stage_copies)."""
         rd = lambda n: self.ws.read(n, T)[:T].astype(np.float64)  # noqa: E731
         H, D = self.cfg.num_heads, self.cfg.head_dim
         qkv = rd("conv_out").reshape(T, 3, H, D).transpose(1, 0, 2, 3)
@@ -138,23 +139,24 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def assert_poisoned_pad_changes_nothing(env: Env, T: int, fill: float, seed: int) -> None:
-    """A prefill of T tokens with the padded rows primed to `fill` (NaN, +-1e30) gives the bits
-    of one primed with zeros: output, core and both states. The padded rows the chunk kernels
-    could read (gate's and beta's past T) do hold the fill, and conv_out past T holds the
-    poisoned workspace's NaN, which no kernel reads (the zero run's output is finite)."""
+    """A prefill of T tokens on a workspace poisoned with NaN (conv_out's, g_raw's and
+    gate_in's rows past T too, which the chunk kernels' loads never reach unselected), under a
+    stage hook with the padded rows of the stage buffers written as `fill` (NaN, +-1e30), gives
+    the bits of a plain prefill: output, core and both states. Those rows do hold the fill, and
+    the plain run's output is finite."""
     R, C = env.warm_state(seed=seed)
     h = random_hidden(T, env.cfg.hidden_size, seed=seed + 1)
-    zero_state, poison_state = env.state(R, C), env.state(R, C)
-    zero_out = env.prefill(h, zero_state, pad_fill=0.0)
-    assert np.isfinite(zero_out.astype(np.float32)).all()
-    zero_core = env.ws.read("core", T)[:T]
-    poison_out = env.prefill(h, poison_state, pad_fill=fill)
-    for name in ("gate", "beta"):
+    plain_state, poison_state = env.state(R, C), env.state(R, C)
+    plain_out = env.prefill(h, plain_state)
+    assert np.isfinite(plain_out.astype(np.float32)).all()
+    plain_core = env.ws.read("core", T)[:T]
+    poison_out = env.prefill(h, poison_state, pad_fill=fill, stage_copies=True)
+    for name in ("gate", "beta", "q_f32", "k_f32", "v_f32"):
         tail = env.ws.read(name, T)[T:]
         assert tail.size == 0 or np.array_equal(tail, np.full_like(tail, fill), equal_nan=True)
-    assert np.array_equal(bits(poison_out), bits(zero_out))
-    assert np.array_equal(bits(env.ws.read("core", T)[:T]), bits(zero_core))
-    for a, b in zip(poison_state.download(), zero_state.download()):
+    assert np.array_equal(bits(poison_out), bits(plain_out))
+    assert np.array_equal(bits(env.ws.read("core", T)[:T]), bits(plain_core))
+    for a, b in zip(poison_state.download(), plain_state.download()):
         assert np.array_equal(bits(a), bits(b))
 
 

@@ -19,7 +19,7 @@ def test_bench_paths_on_host(host):
     assert list(r.kernels_us) == ["front_end", "decode_rows", "o_proj"]  # decode_steps' order
     (p,) = bench.bench_prefill(host, "tiny", [65], stream)
     assert p.tokens == 65 and p.ms > 0 and p.core_ms > 0 and p.gemm_ms > 0
-    assert set(p.kernels_ms) == {"gate_beta", "conv", "chunk_intra", "chunk_inter", "rmsnorm"}
+    assert set(p.kernels_ms) == {"conv", "chunk_intra", "chunk_inter", "rmsnorm"}
     assert all(v > 0 for v in p.kernels_ms.values())
     b = bench.bench_batch(host, "tiny", 3, 2, ceil, stream, reps=2)
     assert (b.mode, b.batch, b.k) == ("batch-verify", 3, 2) and b.us > 0

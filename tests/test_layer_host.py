@@ -157,13 +157,14 @@ def test_stack_free_releases_everything(ckpts):
 
 @pytest.mark.parametrize("stage_copies", [False, True])
 def test_stage_copies_only_for_a_stage_hook(env, stage_copies):
-    """No kernel reads qkv_parts or q/k/v_f32 (the chunk kernels read conv_out), so a prefill
-    writes them only under a stage hook: without one the poisoned workspace keeps its NaN
-    there; with one every row is written. Nothing else changes."""
+    """No prefill kernel reads qkv_parts, q/k/v_f32, gate or beta (the chunk kernels read
+    conv_out, g_raw and b), so a prefill writes them only under a stage hook: without one the
+    poisoned workspace keeps its NaN there; with one every row is written. Nothing else
+    changes."""
     T = 70
     h, (R, C) = random_hidden(T, env.cfg.hidden_size, seed=62), env.warm_state(63)
     out = env.prefill(h, env.state(R, C), stage_copies=stage_copies)
-    for name in ("qkv_parts", "q_f32", "k_f32", "v_f32"):
+    for name in ("qkv_parts", "q_f32", "k_f32", "v_f32", "gate", "beta"):
         x = env.ws.read(name, T).astype(np.float32)
         assert np.isnan(x).all() if not stage_copies else not np.isnan(x).any(), name
     assert not np.isnan(env.ws.read("conv_out", T).astype(np.float32)).any()

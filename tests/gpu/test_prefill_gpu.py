@@ -54,7 +54,7 @@ def test_chunk_core_stage_local(core_pair):
     cfg, T = cu.cfg, 1000
     R, C = ho.warm_state(seed=600)
     st = cu.state(R, C)
-    cu.prefill(random_hidden(T, cfg.hidden_size, seed=601), st)
+    cu.prefill(random_hidden(T, cfg.hidden_size, seed=601), st, stage_copies=True)  # gate, beta
     core, S = cu.core_reference(T, R)
     assert rel(cu.ws.read("core", T)[:T].astype(np.float64), core) < FP32_TOL
     assert rel(st.download()[0], S) < FP32_TOL
@@ -130,7 +130,7 @@ def test_extreme_gates_long_sequence(cuda, tmp_path, core, gate, lower_bound, a_
         env = Env(cuda, _extreme_ckpt(tmp_path, gate, lower_bound, a_log), 4096)
     h = random_hidden(4096, env.cfg.hidden_size, seed=1000)
     st = env.state()
-    out = env.prefill(h, st)
+    out = env.prefill(h, st, stage_copies=True)  # gate for the check below
     g = env.ws.read("gate", 4096)
     assert np.all(np.isfinite(g)) and np.all(g <= 0)
     ref = env.ref(h)
@@ -187,7 +187,7 @@ def test_the_smallest_shared_memory_build_agrees(cuda, gpu_ckpts, name, walk):
             ("chunk", f"kda_chunk_intra_d{D}"), ("chunk_portable", kn.chunk_inter_name))
         ) <= SMEM_PER_BLOCK[cc]
         st = env.state(R, C)
-        env.prefill(h, st)
+        env.prefill(h, st, stage_copies=True)  # gate and beta for core_reference
         runs.append((env.ws.read("core", T)[:T].copy(), st.download()[0]))
     (core_own, S_own), (core_80, S_80), (core_small, S_small) = runs
     for c, S in ((core_80, S_80), (core_small, S_small)):
