@@ -399,8 +399,10 @@ class PrefillResult:
     # D = 128); kdarun's like for like is core_ms, whose intra kernel forms the decay and beta
     flashkda_core_ms: float | None = None
     kernels_ms: dict | None = None  # each non-GEMM step of one prefill, timed in the layer
-    # Where the layer runs the Hopper walk: both walks timed alone, in turn, on the operands
-    # the layer's intra kernel left; the portable core is the layer's intra step plus its walk
+    # Where the layer runs the Hopper walk: the whole intra kernel and both walks timed alone,
+    # in turn (each walk on the operands the intra kernel left); the portable core is the
+    # intra kernel plus its walk, run one after the other as a layer on another GPU runs them
+    intra_ms: float | None = None
     hopper_walk_ms: float | None = None
     portable_walk_ms: float | None = None
     portable_core_ms: float | None = None
@@ -444,11 +446,16 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                               flashkda_core_ms=others[-1] if flashkda_timer else None)
             if portable is not None:
                 chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
-                r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
-                    [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
+                c, wt = layer.cfg, layer.weights
+                b_raw = ws.ptr("gate_in") + c.gate_in_col("b") * BF16.itemsize
+                intra = [lambda: time_once(gpu, lambda: layer.kernels.kda_chunk_intra(
+                    stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, wt.a_log, wt.dt_bias,
+                    *chunk, t), stream)]
+                r.intra_ms, r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
+                    intra + [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
                         stream, *chunk, state.recurrent, ws.core, t), stream)
-                     for kn in (layer.kernels, portable)], reps, 3)
-                r.portable_core_ms = steps["chunk_intra"] + r.portable_walk_ms
+                        for kn in (layer.kernels, portable)], reps, 3)
+                r.portable_core_ms = r.intra_ms + r.portable_walk_ms
             yield r
     finally:
         _release(gpu, [layer], [state], ws, h)

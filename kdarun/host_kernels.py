@@ -298,39 +298,58 @@ def _chunk_blocks(gpu, ptr, t_pad, H, *shape):
     return gpu.view(ptr, (t_pad // CHUNK, H, *shape), F32)
 
 
+def _intra_chunks(gpu, D, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded,
+                  qg, kd, gl, w, u, aqk, segs, nseg, t, t_pad, H, scale, c_lo, c_hi):
+    """kda_chunk_intra's chunks c_lo <= ci < c_hi."""
+    causal = np.tril(np.ones((CHUNK, CHUNK), bool))
+    x = gpu.view(conv_out, (t, 3, H, D), BF16)
+    g_all, b_all = _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound,
+                              bounded)  # [t, H, D], [t, H]: kda_gate_beta's values
+    for ci, sg, lt0 in ((sg[0] + i, sg, i * CHUNK) for sg in _segments(gpu, segs, nseg, t)
+                        for i in range(sg[1]) if c_lo <= sg[0] + i < c_hi):
+        n = min(CHUNK, sg[3] - lt0)  # the chunk's rows that are tokens
+        qc, kc, vc = _token_rows(x, sg[2] + lt0, n, H, D)
+        rows = slice(sg[2] + lt0, sg[2] + lt0 + n)
+        gc, bc = np.zeros((H, CHUNK, D), F32), np.zeros((H, CHUNK), F32)
+        gc[:, :n], bc[:, :n] = g_all[rows].transpose(1, 0, 2), b_all[rows].T
+        qc = qc * f32(scale)
+        G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
+        g_last = G[:, -1:, :]
+        _chunk_blocks(gpu, gl, t_pad, H, D)[ci] = np.exp(g_last[:, 0])
+        _chunk_blocks(gpu, qg, t_pad, H, CHUNK, D)[ci] = qc * np.exp(G)
+        _chunk_blocks(gpu, kd, t_pad, H, CHUNK, D)[ci] = kc * np.exp(g_last - G)
+        diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
+        decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
+        A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
+        A *= np.tril(np.ones((CHUNK, CHUNK), F32), -1)
+        _chunk_blocks(gpu, aqk, t_pad, H, CHUNK, CHUNK)[ci] = np.einsum(
+            "htd,hsd,htsd->hts", qc, kc, decay)
+        rhs = bc[:, :, None] * np.concatenate([vc, kc * np.exp(G)], axis=2)  # [H, C, 2D]
+        X = np.empty_like(rhs)
+        for i in range(CHUNK):  # forward substitution through I + diag(b) A
+            X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
+                                                             X[:, :i])
+        _chunk_blocks(gpu, u, t_pad, H, CHUNK, D)[ci] = X[:, :, :D]
+        _chunk_blocks(gpu, w, t_pad, H, CHUNK, D)[ci] = X[:, :, D:]
+
+
 def _kda_chunk_intra(D):
     def run(gpu, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded, qg, kd, gl,
-            w, u, aqk, segs, nseg, t, t_pad, H, scale):
-        causal = np.tril(np.ones((CHUNK, CHUNK), bool))
-        x = gpu.view(conv_out, (t, 3, H, D), BF16)
-        g_all, b_all = _gate_rows(gpu, g_raw, b_raw, ldb, a_log, dt_bias, t, H, D, lower_bound,
-                                  bounded)  # [t, H, D], [t, H]: kda_gate_beta's values
-        for ci, sg, lt0 in ((sg[0] + i, sg, i * CHUNK) for sg in _segments(gpu, segs, nseg, t)
-                            for i in range(sg[1])):
-            n = min(CHUNK, sg[3] - lt0)  # the chunk's rows that are tokens
-            qc, kc, vc = _token_rows(x, sg[2] + lt0, n, H, D)
-            rows = slice(sg[2] + lt0, sg[2] + lt0 + n)
-            gc, bc = np.zeros((H, CHUNK, D), F32), np.zeros((H, CHUNK), F32)
-            gc[:, :n], bc[:, :n] = g_all[rows].transpose(1, 0, 2), b_all[rows].T
-            qc = qc * f32(scale)
-            G = np.cumsum(gc, axis=1, dtype=F32)  # [H, C, D]
-            g_last = G[:, -1:, :]
-            _chunk_blocks(gpu, gl, t_pad, H, D)[ci] = np.exp(g_last[:, 0])
-            _chunk_blocks(gpu, qg, t_pad, H, CHUNK, D)[ci] = qc * np.exp(G)
-            _chunk_blocks(gpu, kd, t_pad, H, CHUNK, D)[ci] = kc * np.exp(g_last - G)
-            diff = G[:, :, None, :] - G[:, None, :, :]  # G_t - G_s
-            decay = np.exp(np.where(causal[None, :, :, None], diff, -np.inf)).astype(F32)
-            A = np.einsum("htd,hsd,htsd->hts", kc, kc, decay).astype(F32)
-            A *= np.tril(np.ones((CHUNK, CHUNK), F32), -1)
-            _chunk_blocks(gpu, aqk, t_pad, H, CHUNK, CHUNK)[ci] = np.einsum(
-                "htd,hsd,htsd->hts", qc, kc, decay)
-            rhs = bc[:, :, None] * np.concatenate([vc, kc * np.exp(G)], axis=2)  # [H, C, 2D]
-            X = np.empty_like(rhs)
-            for i in range(CHUNK):  # forward substitution through I + diag(b) A
-                X[:, i] = rhs[:, i] - bc[:, i, None] * np.einsum("hs,hsd->hd", A[:, i, :i],
-                                                                 X[:, :i])
-            _chunk_blocks(gpu, u, t_pad, H, CHUNK, D)[ci] = X[:, :, :D]
-            _chunk_blocks(gpu, w, t_pad, H, CHUNK, D)[ci] = X[:, :, D:]
+            w, u, aqk, segs, nseg, t, t_pad, H, scale, c_end):
+        _intra_chunks(gpu, D, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded,
+                      qg, kd, gl, w, u, aqk, segs, nseg, t, t_pad, H, scale, 0, c_end)
+    return run
+
+
+def _kda_chunk_core(D):
+    walk = _kda_chunk_inter(D)
+
+    def run(gpu, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded, qg, kd, gl,
+            w, u, aqk, state, core, ready, c_first, segs, nseg, t, t_pad, H, scale):
+        _intra_chunks(gpu, D, conv_out, g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded,
+                      qg, kd, gl, w, u, aqk, segs, nseg, t, t_pad, H, scale, c_first,
+                      t_pad // CHUNK)
+        walk(gpu, qg, kd, gl, w, u, aqk, state, core, segs, nseg, t, H)
     return run
 
 
@@ -396,7 +415,8 @@ HOST_KERNELS: dict[str, dict] = {
                   **{f"kda_decode_batch_d{d}": _kda_decode_batch(d) for d in (64, 128)},
                   **{f"kda_decode_rows_slot_d{d}": _kda_decode_rows_slot(d) for d in (64, 128)}},
     "chunk": {**{f"kda_chunk_intra_d{d}": _kda_chunk_intra(d) for d in (64, 128)},
-              **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)}},
+              **{f"kda_chunk_inter_d{d}": _kda_chunk_inter(d) for d in (64, 128)},
+              **{f"kda_chunk_core_d{d}": _kda_chunk_core(d) for d in (64, 128)}},
     "chunk_portable": {f"kda_chunk_inter_portable{rows}_d{d}": _kda_chunk_inter(d)
                        for d in (64, 128) for rows in ("", "_r32")},
     "norm": {"gated_rmsnorm": gated_rmsnorm},

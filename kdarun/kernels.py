@@ -16,7 +16,7 @@ import numpy as np
 from .backend import MIN_CC, DevicePtr, GpuBackend, LaunchConfig, TensorMap, tma_addressable
 from .config import (CHUNK, L2_NORM_EPS, MAX_CONV_KERNEL, MAX_DECODE_ROWS, SEG_FIELDS,
                      Glm5NextKdaConfig)
-from .dtypes import BF16, F32
+from .dtypes import BF16, F32, I32
 from .errors import KdaError
 
 FAMILIES = ("gemv", "gemv_wg", "conv", "gate", "recurrent", "chunk", "chunk_portable", "norm",
@@ -73,6 +73,12 @@ DECODE_BATCH_MAX_SPLIT = 8  # most blocks a (sequence, head) in kda_decode_batch
 CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
+# kda_chunk_core (the walk beside the last intra blocks, where the walk's blocks leave half the
+# SMs or more idle): the share of the chunks the intra kernel runs alone first. The walk must
+# not overtake the intra blocks beside it, which run on the SMs it leaves at one block an SM:
+# at kimi-linear-48b on an H200 (walk 0.66 ms, intra 1.23 at T = 16384, perf-log v56; 68 SMs
+# left at 1/1.44 of two blocks' rate, v11) the share that just keeps ahead is ~0.8.
+CORE_ALONE = 0.8
 PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a chunk has 4 pieces)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
@@ -714,20 +720,64 @@ class Glm5NextKdaKernels:
     def kda_chunk_intra(self, stream: int, conv_out: DevicePtr, g_raw: DevicePtr,
                         b_raw: DevicePtr, ldb: int, a_log: DevicePtr, dt_bias: DevicePtr,
                         qg: DevicePtr, kd: DevicePtr, gl: DevicePtr, w: DevicePtr, u: DevicePtr,
-                        aqk: DevicePtr, t: int, segs: SegmentTable | None = None) -> None:
+                        aqk: DevicePtr, t: int, segs: SegmentTable | None = None,
+                        chunks: int | None = None) -> None:
         """Every chunk's WY factors, in parallel: the chunked core's first half, from q, k, v
         in conv_out [t, conv_dim] bf16, g_raw [t, qkv] and b_raw (row stride ldb) bf16 (packed
         rows: each segment's tokens, or t tokens), whose decay and beta it forms as
         kda_gate_beta does (a_log [H], dt_bias [qkv] fp32). It writes the walk's operands qg,
-        kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to chunk.cu);
-        rows past a segment's tokens are never read."""
+        kd, gl, w, u, aqk (the workspace's chunk_* buffers, in layouts private to chunk.cu) of
+        the first `chunks` chunks (default all); rows past a segment's tokens are never read."""
         c = self.cfg
         table, n, t_pad = self._segments(t, segs)
+        chunks = t_pad // CHUNK if chunks is None else chunks
         self._launch("chunk", f"kda_chunk_intra_d{c.head_dim}",
-                     LaunchConfig((t_pad // CHUNK, c.num_heads, 1), (THREADS, 1, 1)),
+                     LaunchConfig((chunks, c.num_heads, 1), (THREADS, 1, 1)),
                      (conv_out, g_raw, b_raw, i32(ldb), a_log, dt_bias, *self._gate_form(), qg,
                       kd, gl, w, u, aqk, table, i32(n), i32(t), i32(t_pad), i32(c.num_heads),
-                      f32(c.scale)), stream)
+                      f32(c.scale), i32(chunks)), stream)
+
+    def core_split(self, t: int, segs: SegmentTable | None = None) -> int | None:
+        """The chunk from which kda_chunk_core runs the rest of the intra kernel beside the
+        walk, for a core over t rows (`segs`: a packed one's table); None where the walk runs
+        after the whole intra kernel. The fused launch takes the Hopper walk's blocks, one an
+        SM, first: only where they leave at least half the SMs to the intra blocks (the walk
+        spins on chunks those blocks have yet to write, so they must get SMs), and where one
+        block walks all segments, chunk by chunk in order."""
+        c = self.cfg
+        _, n, t_pad = self._segments(t, segs)
+        walkers = c.num_heads * (c.head_dim // WALK_ROWS)
+        chunks = t_pad // CHUNK
+        if (self.core != "hopper" or self._walk_depth(n) != 1 or chunks < 2
+                or 2 * walkers > self.gpu.sm_count):
+            return None
+        return min(chunks - 1, max(1, round(CORE_ALONE * chunks)))
+
+    def kda_chunk_core(self, stream: int, conv_out: DevicePtr, g_raw: DevicePtr,
+                       b_raw: DevicePtr, ldb: int, a_log: DevicePtr, dt_bias: DevicePtr,
+                       qg: DevicePtr, kd: DevicePtr, gl: DevicePtr, w: DevicePtr, u: DevicePtr,
+                       aqk: DevicePtr, state: DevicePtr, core: DevicePtr, ready: DevicePtr,
+                       c_first: int, t: int, segs: SegmentTable | None = None) -> None:
+        """The rest of kda_chunk_intra (chunks from c_first, after a launch of `chunks=c_first`)
+        and the whole walk in one launch, where `core_split` gave c_first: the Hopper walk's
+        blocks first, then the intra blocks on the SMs they leave, each flagging its (chunk,
+        head) in ready [t_pad / C, H] int32 (zeroed here first; the walk leaves it zero), on
+        which the walk waits. Its outputs are the two launches': core and the state, as
+        kda_chunk_inter writes them."""
+        c = self.cfg
+        table, n, t_pad = self._segments(t, segs)
+        chunks = t_pad // CHUNK
+        if (split := self.core_split(t, segs)) != c_first:
+            raise KdaError(f"kda_chunk_core: c_first {c_first} is not core_split's {split} "
+                           f"for {t} rows")
+        self.gpu.memset(ready, 0, chunks * c.num_heads * I32.itemsize, stream)
+        walkers = c.num_heads * (c.head_dim // WALK_ROWS)
+        self._launch("chunk", f"kda_chunk_core_d{c.head_dim}",
+                     LaunchConfig((walkers + (chunks - c_first) * c.num_heads, 1, 1),
+                                  (THREADS, 1, 1)),
+                     (conv_out, g_raw, b_raw, i32(ldb), a_log, dt_bias, *self._gate_form(), qg,
+                      kd, gl, w, u, aqk, state, core, ready, i32(c_first), table, i32(n),
+                      i32(t), i32(t_pad), i32(c.num_heads), f32(c.scale)), stream)
 
     @property
     def chunk_inter_name(self) -> str:
@@ -756,13 +806,19 @@ class Glm5NextKdaKernels:
         # segments share a block's walk in turn: as many blocks as one wave holds (a block an
         # SM), each a stream of chunks, where more would wait for a second wave
         rows = self.walk_rows
-        z = min(n, max(1, self.gpu.sm_count // (H * D // rows)))
+        z = self._walk_depth(n)
         family, threads = (("chunk_portable", portable_walk_threads(self.cc, rows))
                            if self.core == "portable"
                            else ("chunk", WALK_THREADS))
         self._launch(family, self.chunk_inter_name,
                      LaunchConfig((H, D // rows, z), (threads, 1, 1)),
                      (qg, kd, gl, w, u, aqk, state, core, table, i32(n), i32(t), i32(H)), stream)
+
+    def _walk_depth(self, nseg: int) -> int:
+        """The walk's blocks a (head, slice) for nseg segments, each taking a share of them:
+        as many as one wave holds (a block an SM), where more would wait for a second wave."""
+        blocks = self.cfg.num_heads * self.cfg.head_dim // self.walk_rows  # a segment's
+        return min(nseg, max(1, self.gpu.sm_count // blocks))
 
     # -- output ----------------------------------------------------------------------------
     def gated_rmsnorm(self, stream: int, core: DevicePtr, out_gate: DevicePtr, w: DevicePtr,

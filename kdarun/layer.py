@@ -408,7 +408,21 @@ class Glm5NextKdaLayer:
             kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.gate_in_width, w.a_log, w.dt_bias,
                              ws.gate, ws.beta, t, segs, pad_fill)
         kn.kda_chunk_intra(stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                           w.dt_bias, *chunk, t, segs)
+                           w.dt_bias, *chunk, t, segs, kn.core_split(t, segs))
+
+    def _walk(self, stream: int, ws: Glm5NextKdaWorkspace, b_raw: DevicePtr,
+              chunk: tuple[DevicePtr, ...], rec_state: DevicePtr, t: int,
+              segs: SegmentTable | None) -> None:
+        """The chunk_inter step: the walk, or, where `core_split` says, the walk with the last
+        chunks' intra blocks beside it (kda_chunk_core; the chunk_intra step ran the rest)."""
+        c, w, kn = self.cfg, self.weights, self.kernels
+        split = kn.core_split(t, segs)
+        if split is None:
+            kn.kda_chunk_inter(stream, *chunk, rec_state, ws.core, t, segs)
+        else:
+            kn.kda_chunk_core(stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
+                              w.dt_bias, *chunk, rec_state, ws.core, ws.ptr("chunk_ready"), split, t,
+                              segs)
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
@@ -441,8 +455,9 @@ class Glm5NextKdaLayer:
             Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}, kda_gate_beta",
                  ("gate", "beta", *(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk"))),
                  lambda s: self._intra(s, ws, b_raw, chunk, t, pad_fill, segs)),
-            Step("chunk_inter", kn.chunk_inter_name, ("core", *state_writes[1]),
-                 lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t, segs)),
+            Step("chunk_inter", kn.chunk_inter_name if kn.core_split(t, segs) is None
+                 else f"kda_chunk_core_d{c.head_dim}", ("core", *state_writes[1]),
+                 lambda s: self._walk(s, ws, b_raw, chunk, rec_state, t, segs)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
                  lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,
                                             t)),

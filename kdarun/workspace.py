@@ -116,6 +116,9 @@ BUFFERS: tuple[BufferSpec, ...] = (
     BufferSpec("chunk_aqk", _chunk_blocks(lambda c: (CHUNK, CHUNK)), U32, False,
                "[T_pad/C, H, C, C] split words, pairs along the last axis, walk image",
                "in-chunk decayed q.k products, causal"),
+    BufferSpec("chunk_ready", _chunk_blocks(lambda c: ()), I32, False, "[T_pad/C, H] int32",
+               "kda_chunk_core: a (chunk, head)'s intra block done, the count of walk blocks "
+               "yet to read it; zeroed before the launch"),
     BufferSpec("segments", lambda c, t, tp: (tp // CHUNK * (SEG_FIELDS + 1),), I32, False,
                "[segments, SEG_FIELDS] int32, then checkpoint slots",
                "packed prefill: a window's segment table (kernels_cu/segments.cuh); a segment "

@@ -129,13 +129,14 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const GateArgs ga,
                             unsigned* __restrict__ kd_out, float* __restrict__ gl_out,
                             float* __restrict__ w_out, float* __restrict__ u_out,
                             unsigned* __restrict__ aqk, const int* __restrict__ segs, int nseg,
-                            int T, int H, float scale) {
+                            int T, int H, float scale, int ci, int h, int* __restrict__ ready,
+                            int readers) {
     using L = Intra<D>;
     constexpr int DH = L::DH, P = L::P, PE = L::PE, SB = L::SB;
     extern __shared__ __align__(16) float sm[];
     float *Gs = sm + L::G_OFF, *Ks = sm + L::K_OFF, *Qs = sm + L::Q_OFF, *Es = sm + L::E_OFF;
     float *A = sm + L::A_OFF, *Ms = sm + L::M_OFF, *Bs = sm + L::B_OFF;
-    const int ci = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, c0 = ci * CHUNK;
+    const int tid = threadIdx.x, c0 = ci * CHUNK;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const Segment sg = segment_at(segs, segment_of_chunk(segs, nseg, ci), T);
     const int lt0 = c0 - sg.chunk0 * CHUNK;         // the chunk's first token of its segment
@@ -441,6 +442,11 @@ __device__ void chunk_intra(const bf16* __restrict__ x, const GateArgs ga,
         __syncthreads();  // X's rows of this block are in place; C is read
         PHASE(7);
     }
+    if (ready != nullptr) {  // a walk beside this block waits for its outputs (kda_chunk_core)
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicExch(ready + (u64)ci * H + h, readers);
+    }
 }
 
 // The Hopper walk's device code exists only where its warpgroup MMAs do (sm_90a builds); nvcc's
@@ -508,27 +514,45 @@ __device__ __forceinline__ void wg3(float (&d)[N / 2], const unsigned (&ah)[K / 
     }
 }
 
+// A chunk that intra blocks of the same launch may still be writing (kda_chunk_core): wait for
+// its (chunk, head) flag, take this block's count off it (the last of the head's walk blocks
+// leaves it zero for the next call), and order the bulk copies (the async proxy) after the
+// intra block's stores.
+__device__ __forceinline__ void wait_ready(int* flag) {
+    int v;
+    while (true) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+        if (v != 0) break;
+        __nanosleep(64);
+    }
+    atomicSub(flag, 1);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Block (h, slice, z) of zs blocks a (head, slice): the walk kernel's blockIdx and gridDim.z,
+// or kda_chunk_core's walk blocks. Chunks from ready_from on wait on `ready` (wait_ready).
 template <int D>
 __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict__ kd,
                      const float* __restrict__ gl, const unsigned* __restrict__ w_in,
                      const float* __restrict__ u_in, const unsigned* __restrict__ aqk,
                      float* __restrict__ state, float* __restrict__ core,
-                     const int* __restrict__ segs, int nseg, int T, int H) {
+                     const int* __restrict__ segs, int nseg, int T, int H, int h, int slice,
+                     int z, int zs, int* ready, int ready_from) {
     using L = Walk<D>;
     constexpr int KD = D / 16, KC = CHUNK / 16;  // k-steps over D and over C
     extern __shared__ __align__(128) unsigned char smb[];
     u64* bars = reinterpret_cast<u64*>(smb + L::BAR_OFF);
-    const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int v0 = blockIdx.y * WALK_ROWS;  // the slice
+    const int v0 = slice * WALK_ROWS;
     const int vr = 16 * warp + g;       // this thread's rows: vr, vr + 8
-    const int zs = gridDim.z;  // this block's segments: blockIdx.z, + zs, ...
     if (tid == 0) {
         for (int i = 0; i < L::DONE_BAR; ++i) mbar_init(bars + i, 1);
         mbar_init(bars + L::DONE_BAR, WARPGROUP);
         mbar_init_fence();
     }
     __syncthreads();
+    if (tid >= WALK_THREADS) return;  // kda_chunk_core's blocks are wider than a walk's
     if (warp == WARPGROUP / 32) {
         // The copies' warp (one lane): kd, Aqk of chunk ci and w, qg, u, gl of chunk ci + 1
         // go out as soon as the warpgroup is done with chunk ci - 1, so the MMAs never wait
@@ -549,13 +573,14 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                 return chunk;
             };
             int nchunks = 0;
-            for (int si = blockIdx.z; si < nseg; si += zs)
-                nchunks += segment_at(segs, si, T).chunks;
-            Cursor ahead{(int)blockIdx.z, 0, segment_at(segs, blockIdx.z, T)}, behind = ahead;
+            for (int si = z; si < nseg; si += zs) nchunks += segment_at(segs, si, T).chunks;
+            Cursor ahead{z, 0, segment_at(segs, z, T)}, behind = ahead;
             auto load_next = [&](int wc) {  // w, qg, u, gl of the block's chunk wc: buffer wc % 2
                 const int b = wc & 1;
                 const bool fresh = ahead.ci == 0 && !ahead.sg.init;  // w, qg unread (below)
-                const u64 blk = (u64)next_chunk(ahead) * H + h;
+                const int chunk = next_chunk(ahead);  // the first copy of any of its operands
+                if (chunk >= ready_from) wait_ready(ready + (u64)chunk * H + h);
+                const u64 blk = (u64)chunk * H + h;
                 mbar_expect(bars + b, (fresh ? 0 : 2 * L::WQ_BYTES) + L::U_BYTES + L::GL_BYTES);
                 if (!fresh) {
                     bulk_copy(smb + L::W_OFF + b * L::WQ_BYTES, w_in + blk * CHUNK * D,
@@ -563,7 +588,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
                     bulk_copy(smb + L::Q_OFF + b * L::WQ_BYTES, qg + blk * CHUNK * D,
                               L::WQ_BYTES, bars + b);
                 }
-                const float* u_slice = u_in + (blk * (D / WALK_ROWS) + blockIdx.y) * CHUNK * WALK_ROWS;
+                const float* u_slice = u_in + (blk * (D / WALK_ROWS) + slice) * CHUNK * WALK_ROWS;
                 bulk_copy(smb + L::U_OFF + b * L::U_BYTES, u_slice, L::U_BYTES, bars + b);
                 bulk_copy(smb + L::GL_OFF + b * L::GL_BYTES, gl + blk * D, L::GL_BYTES, bars + b);
             };
@@ -599,7 +624,7 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
     const u64 kdesc = operand_desc<D>(smb + L::K_OFF), adesc = operand_desc<CHUNK>(smb + L::A_OFF);
     PHASES_BEGIN;
     int wc = 0;  // the block's chunks walked so far: the buffers' and barriers' phase
-    for (int si = blockIdx.z; si < nseg; si += zs) {
+    for (int si = z; si < nseg; si += zs) {
         const Segment sg = segment_at(segs, si, T);
         float S[D / 2];
         float* st = state + sg.slot * slot_floats + at;
@@ -692,18 +717,19 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
 
 #endif  // the Hopper walk
 
-// The intra kernel's T_pad is not read (the grid carries the chunk count); it keeps the launch's
-// arguments those of the host twin, which loops over it. Each kernel's dynamic shared memory is
-// exported as <kernel>_smem, which the CUDA backend reads when it loads the kernel: the layout
-// structs above are its only definition.
+// The intra kernel's T_pad and c_end are not read (the grid carries the chunks: [0, c_end));
+// they keep the launch's arguments those of the host twin, which loops over them. Each kernel's
+// dynamic shared memory is exported as <kernel>_smem, which the CUDA backend reads when it
+// loads the kernel: the layout structs above are its only definition.
 #define KDA_CHUNK_INTRA(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) kda_chunk_intra_d##D(                \
         const bf16* conv_out, const bf16* g_raw, const bf16* b_raw, int ldb,                   \
         const float* a_log, const float* dt_bias, float lower_bound, int bounded, unsigned* qg,\
         unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, const int* segs, int nseg, \
-        int T, int T_pad, int H, float scale) {                                                \
+        int T, int T_pad, int H, float scale, int c_end) {                                     \
         const GateArgs ga{g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded};            \
-        chunk_intra<D>(conv_out, ga, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale);          \
+        chunk_intra<D>(conv_out, ga, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale,           \
+                       blockIdx.x, blockIdx.y, nullptr, 0);                                     \
     }                                                                                          \
     extern "C" {                                                                               \
     __constant__ int kda_chunk_intra_d##D##_smem = Intra<D>::FLOATS * 4;                       \
@@ -713,14 +739,46 @@ __device__ void walk(const unsigned* __restrict__ qg, const unsigned* __restrict
         const unsigned* qg, const unsigned* kd, const float* gl, const unsigned* w,            \
         const float* u, const unsigned* aqk, float* state, float* core, const int* segs,       \
         int nseg, int T, int H) {                                                              \
-        walk<D>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H);                         \
+        walk<D>(qg, kd, gl, w, u, aqk, state, core, segs, nseg, T, H, blockIdx.x, blockIdx.y,  \
+                blockIdx.z, gridDim.z, nullptr, 0x7fffffff);                                  \
     }                                                                                          \
     extern "C" {                                                                               \
     __constant__ int kda_chunk_inter_d##D##_smem = Walk<D>::BYTES;                             \
+    }
+// The core's second half where the walk leaves SMs idle (kimi-linear-48b's 64 walk blocks on
+// an H200's 132 SMs): the walk's H D / WALK_ROWS blocks first, a block an SM from the first
+// wave (the GPU starts a launch's blocks in index order), then intra blocks for chunks c_first..
+// (every head of a chunk before the next chunk), on the SMs the walk leaves; the walk waits on
+// their `ready` flags (zero on entry, left zero), only for chunks from c_first, which a
+// kda_chunk_intra launch before this one did not cover. One segment (or a plain prefill): the
+// walk blocks take chunks in order. Every value is the two kernels' own.
+#define KDA_CHUNK_CORE(D)                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) kda_chunk_core_d##D(              \
+        const bf16* conv_out, const bf16* g_raw, const bf16* b_raw, int ldb,                   \
+        const float* a_log, const float* dt_bias, float lower_bound, int bounded, unsigned* qg,\
+        unsigned* kd, float* gl, float* w, float* u, unsigned* aqk, float* state, float* core, \
+        int* ready, int c_first, const int* segs, int nseg, int T, int T_pad, int H,           \
+        float scale) {                                                                         \
+        const int walkers = H * (D / WALK_ROWS), b = blockIdx.x;                               \
+        if (b < walkers) {                                                                     \
+            walk<D>(qg, kd, gl, reinterpret_cast<const unsigned*>(w), u, aqk, state, core,     \
+                    segs, nseg, T, H, b % H, b / H, 0, 1, ready, c_first);                     \
+        } else {                                                                               \
+            const GateArgs ga{g_raw, b_raw, ldb, a_log, dt_bias, lower_bound, bounded};        \
+            chunk_intra<D>(conv_out, ga, qg, kd, gl, w, u, aqk, segs, nseg, T, H, scale,       \
+                           c_first + (b - walkers) / H, (b - walkers) % H, ready,              \
+                           D / WALK_ROWS);                                                     \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" {                                                                               \
+    __constant__ int kda_chunk_core_d##D##_smem =                                              \
+        Walk<D>::BYTES > Intra<D>::FLOATS * 4 ? Walk<D>::BYTES : Intra<D>::FLOATS * 4;         \
     }
 KDA_CHUNK_INTRA(64)
 KDA_CHUNK_INTRA(128)
 #if !defined(__CUDA_ARCH__) || KDA_WGMMA
 KDA_CHUNK_INTER(64)
 KDA_CHUNK_INTER(128)
+KDA_CHUNK_CORE(64)
+KDA_CHUNK_CORE(128)
 #endif

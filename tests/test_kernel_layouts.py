@@ -109,7 +109,8 @@ def test_dynamic_shared_memory_is_exported_and_fits(ptx):
         assert set(exported) <= taking, fam
     assert taking == {f"{g}{s}" for g in ("dense_gemv_bf16", "front_end_gemv")
                       for s in ("", "_x2", "_batch")} | {"dense_gemv_wg", "front_end_wg"} | {
-        f"kda_chunk_{k}_d{d}" for k in ("intra", "inter", "inter_portable", "inter_portable_r32")
+        f"kda_chunk_{k}_d{d}"
+        for k in ("intra", "inter", "core", "inter_portable", "inter_portable_r32")
         for d in (64, 128)} | {
         f"kda_decode_batch_d{d}" for d in (64, 128)}
 
@@ -145,10 +146,10 @@ def test_parked_rows_fill_their_solve_block(chunk_layouts, d):
 
 
 def test_chunk_entries_are_the_launched_ones(ptx):
-    """chunk.cu instantiates every kernel the wrappers launch (both head dims; the intra kernel
-    and the walk), and nothing else."""
-    assert {name for name, _ in _entries(ptx["chunk"])} == (
-        {f"kda_chunk_intra_d{d}" for d in (64, 128)} | {f"kda_chunk_inter_d{d}" for d in (64, 128)})
+    """chunk.cu instantiates every kernel the wrappers launch (both head dims; the intra kernel,
+    the walk, and the walk beside intra blocks), and nothing else."""
+    assert {name for name, _ in _entries(ptx["chunk"])} == {
+        f"kda_chunk_{k}_d{d}" for k in ("intra", "inter", "core") for d in (64, 128)}
 
 
 def test_sources_take_no_value_the_geometry_sets():

@@ -6,13 +6,14 @@ sources in test_kernel_layouts.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kdarun import kernels, open_backend, synthetic, workspace
 from kdarun import DevicePtr, KdaError
 from kdarun.kernels import GEMV_STAGE_K, GEMV_TILE, GEMV_WARPS, Glm5NextKdaKernels
 
-from .helpers import Env, assert_batch_matches_single, host_with_sms, random_hidden
+from .helpers import Env, assert_batch_matches_single, bits, host_with_sms, random_hidden
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -318,3 +319,30 @@ def test_decode_gemv_groups_set_where_decodes_launch_ends(monkeypatch, groups, m
     monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 4)
     with pytest.raises(KdaError, match=r"^DECODE_GEMV_GROUPS: expected 1 or 2, got 4$"):
         kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, p[3], p[4])
+
+
+def test_core_split_where_the_walk_leaves_half_the_sms(ckpts):
+    """On an H200's 132 SMs the tiny layer's 4 walk blocks leave the intra kernel's last
+    chunks to run beside the walk (kda_chunk_core): the prefill's steps name it, and the
+    prefill (5 chunks, 4 alone first) gives the bits of the walk after the whole intra kernel
+    (the host twins on one SM, which never split). A pack of several segments (the walk's
+    blocks each take a share of them), one chunk, or too few SMs keep the walk apart."""
+    split = Env(host_with_sms(132), ckpts["bounded"], 300)
+    whole = Env(open_backend("host", announce=False), ckpts["bounded"], 300)
+    kn = split.layer.kernels
+    assert kn.core_split(300) == 4 and kn.core_split(64) is None
+    assert kn.core_split(300, (None, 1, 320)) == 4 and kn.core_split(300, (None, 3, 384)) is None
+    assert whole.layer.kernels.core_split(300) is None
+    assert Glm5NextKdaKernels(host_with_sms(7), split.cfg).core_split(300) is None
+    steps = {s.name: s.kernel for s in split.layer.prefill_steps(0, 300, split.state(),
+                                                                 split.ws)}
+    assert steps["chunk_inter"] == f"kda_chunk_core_d{split.cfg.head_dim}"
+    R, C = whole.warm_state(seed=5)
+    h = random_hidden(300, split.cfg.hidden_size, seed=6)
+    runs = []
+    for env in (split, whole):
+        st = env.state(R, C)
+        runs.append((env.prefill(h, st), env.ws.read("core", 300)[:300], *st.download()))
+    for a, b in zip(*runs):
+        assert np.array_equal(bits(a), bits(b))
+    split.stack.free(split.gpu), whole.stack.free(whole.gpu)

@@ -72,7 +72,7 @@ def figures(report: dict) -> dict[str, float]:
         out[f"{key} GEMMs ms"] = p["gemm_ms"]
         for step, ms in p["kernels_ms"].items():
             out[f"{key} {step} ms"] = ms
-        for name in ("hopper_walk_ms", "portable_walk_ms", "portable_core_ms"):
+        for name in ("intra_ms", "hopper_walk_ms", "portable_walk_ms", "portable_core_ms"):
             if p.get(name) is not None:
                 out[f"{key} {name.removesuffix('_ms').replace('_', ' ')} ms"] = p[name]
     return out

@@ -152,14 +152,15 @@ def prefill_rows(r, report, rows) -> None:
                      f"core {mine:.3f} ms, FlashKDA {r.flashkda_core_ms:.3f}"
                      f" ms ({mine / r.flashkda_core_ms:.2f}x FlashKDA's time)"))
         print(rows[-1], flush=True)
-    if r.portable_core_ms:  # both walks alone, each after the layer's intra step
-        hopper_core = r.kernels_ms["chunk_intra"] + r.hopper_walk_ms
+    if r.portable_core_ms:  # the intra kernel and both walks alone, one after the other
+        hopper_core = r.intra_ms + r.hopper_walk_ms
         vs = f", fla chunk_kda {f_core / r.portable_core_ms:.2f}x" if f_ms else ""
         rows.append((f"prefill {preset}", f"T={r.tokens} portable",
                      f"core {r.portable_core_ms:.3f} ms = "
                      f"{r.portable_core_ms / hopper_core:.2f}x the Hopper core "
-                     f"{hopper_core:.3f} ms (walks {r.portable_walk_ms:.3f} / "
-                     f"{r.hopper_walk_ms:.3f} ms){vs}"))
+                     f"{hopper_core:.3f} ms (intra {r.intra_ms:.3f}, walks "
+                     f"{r.portable_walk_ms:.3f} / {r.hopper_walk_ms:.3f} ms; the layer's core "
+                     f"{r.core_ms:.3f}){vs}"))
         print(rows[-1], flush=True)
     print_steps("each step in the layer", r.kernels_ms)
 
