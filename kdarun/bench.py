@@ -445,16 +445,11 @@ def bench_prefill(gpu: GpuBackend, preset: str, tokens: list[int], stream: int,
                               prefill_flops(cfg, t) / ms / 1e9, *fla_ms, kernels_ms=kernels,
                               flashkda_core_ms=others[-1] if flashkda_timer else None)
             if portable is not None:
-                chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
-                c, wt = layer.cfg, layer.weights
-                b_raw = ws.ptr("gate_in") + c.gate_in_col("b") * BF16.itemsize
-                intra = [lambda: time_once(gpu, lambda: layer.kernels.kda_chunk_intra(
-                    stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, wt.a_log, wt.dt_bias,
-                    *chunk, t), stream)]
+                intra, hopper_walk = layer.core_apart(ws, state.recurrent, t)
+                portable_walk = layer.core_apart(ws, state.recurrent, t, portable)[1]
                 r.intra_ms, r.hopper_walk_ms, r.portable_walk_ms = medians_in_turn(
-                    intra + [lambda kn=kn: time_once(gpu, lambda: kn.kda_chunk_inter(
-                        stream, *chunk, state.recurrent, ws.core, t), stream)
-                        for kn in (layer.kernels, portable)], reps, 3)
+                    [lambda f=f: time_once(gpu, lambda: f(stream), stream)
+                     for f in (intra, hopper_walk, portable_walk)], reps, 3)
                 r.portable_core_ms = r.intra_ms + r.portable_walk_ms
             yield r
     finally:

@@ -203,6 +203,16 @@ def core_path(gpu: GpuBackend, core: str | None = None) -> str:
     return want
 
 
+def core_split_allowed() -> bool:
+    """$KDARUN_CORE_SPLIT: "1" (the default) lets the walk run beside the intra kernel's last
+    chunks where `Glm5NextKdaKernels.core_split` finds room, "0" keeps them apart; anything else
+    is refused."""
+    want = os.environ.get("KDARUN_CORE_SPLIT", "1")
+    if want not in ("0", "1"):
+        raise KdaError(f"KDARUN_CORE_SPLIT: expected 0 or 1, got {want!r}")
+    return want == "1"
+
+
 def walk_rows(gpu: GpuBackend, cfg: Glm5NextKdaConfig, core: str) -> int:
     """State rows a block of the `core` walk carries on `gpu`. The Hopper walk has one size,
     WALK_ROWS (a warpgroup MMA's m). The portable walk takes $KDARUN_WALK_ROWS where set, else
@@ -741,14 +751,17 @@ class Glm5NextKdaKernels:
         """The chunk from which kda_chunk_core runs the rest of the intra kernel beside the
         walk, for a core over t rows (`segs`: a packed one's table); None where the walk runs
         after the whole intra kernel. The fused launch takes the Hopper walk's blocks, one an
-        SM, first: only where they leave at least half the SMs to the intra blocks (the walk
-        spins on chunks those blocks have yet to write, so they must get SMs), and where one
-        block walks all segments, chunk by chunk in order."""
+        SM, first: only where they leave at least half the device's SMs to the intra blocks
+        (the walk spins on chunks those blocks have yet to write, so they must get SMs: a
+        process held to fewer SMs than the device has, as under MPS with a thread percentage
+        below half, must set KDARUN_CORE_SPLIT=0), and for one segment (one block a (head,
+        slice) walks its chunks in order). KDARUN_CORE_SPLIT=0 turns it off, 1 (the default)
+        allows it."""
         c = self.cfg
         _, n, t_pad = self._segments(t, segs)
         walkers = c.num_heads * (c.head_dim // WALK_ROWS)
         chunks = t_pad // CHUNK
-        if (self.core != "hopper" or self._walk_depth(n) != 1 or chunks < 2
+        if (self.core != "hopper" or not core_split_allowed() or n != 1 or chunks < 2
                 or 2 * walkers > self.gpu.sm_count):
             return None
         return min(chunks - 1, max(1, round(CORE_ALONE * chunks)))

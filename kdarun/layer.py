@@ -421,8 +421,23 @@ class Glm5NextKdaLayer:
             kn.kda_chunk_inter(stream, *chunk, rec_state, ws.core, t, segs)
         else:
             kn.kda_chunk_core(stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                              w.dt_bias, *chunk, rec_state, ws.core, ws.ptr("chunk_ready"), split, t,
-                              segs)
+                              w.dt_bias, *chunk, rec_state, ws.core, ws.ptr("chunk_ready"),
+                              split, t, segs)
+
+    def core_apart(self, ws: Glm5NextKdaWorkspace, rec_state: DevicePtr, t: int,
+                   kernels: Glm5NextKdaKernels | None = None
+                   ) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        """The chunked core of a prefill of t rows as two launches one after the other, each a
+        function of a stream, for timing them apart: the whole intra kernel (on the inputs the
+        last prefill left in `ws`) and the walk from rec_state, on `kernels` (default the
+        layer's; another core's walk reads the same operands)."""
+        c, w, kn = self.cfg, self.weights, kernels or self.kernels
+        b_raw = ws.ptr("gate_in") + c.gate_in_col("b") * BF16.itemsize
+        chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
+        return (lambda s: self.kernels.kda_chunk_intra(s, ws.conv_out, ws.g_raw, b_raw,
+                                                       c.gate_in_width, w.a_log, w.dt_bias,
+                                                       *chunk, t),
+                lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t))
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,

@@ -26,8 +26,10 @@ class Rounding:
 
     `buffers`: every value kdarun holds in a bf16 buffer before the next step reads it: the
     projections (q|k|v, gate_in's f_a, g_a and b, g_raw, out_gate), the conv's SiLU output,
-    o_norm_out and final_out. `qk`: q and k after their L2 norm, which kdarun's conv_out holds
-    in bf16 too. `beta`: beta, which kdarun keeps in fp32 (transformers rounds it).
+    o_norm_out and final_out (of one rank: a tensor parallel group also rounds each rank's
+    partial final_out, which this does not model). `qk`: q and k after their L2 norm, which
+    kdarun's conv_out holds in bf16 too. `beta`: beta, which kdarun keeps in fp32
+    (transformers rounds it).
     """
     buffers: bool = False
     qk: bool = False

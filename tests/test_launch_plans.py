@@ -321,6 +321,19 @@ def test_decode_gemv_groups_set_where_decodes_launch_ends(monkeypatch, groups, m
         kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, p[3], p[4])
 
 
+def test_core_split_switch(ckpts, monkeypatch):
+    """KDARUN_CORE_SPLIT=0 keeps the walk after the whole intra kernel (a process held to part
+    of the GPU, where the walk's blocks could take every SM it has); a value other than 0 or 1
+    is refused."""
+    kn = Glm5NextKdaKernels(host_with_sms(132), synthetic.preset_config("tiny", layers=4))
+    assert kn.core_split(300) == 4
+    monkeypatch.setenv("KDARUN_CORE_SPLIT", "0")
+    assert kn.core_split(300) is None
+    monkeypatch.setenv("KDARUN_CORE_SPLIT", "yes")
+    with pytest.raises(KdaError, match="KDARUN_CORE_SPLIT: expected 0 or 1, got 'yes'"):
+        kn.core_split(300)
+
+
 def test_core_split_where_the_walk_leaves_half_the_sms(ckpts):
     """On an H200's 132 SMs the tiny layer's 4 walk blocks leave the intra kernel's last
     chunks to run beside the walk (kda_chunk_core): the prefill's steps name it, and the

@@ -51,10 +51,11 @@ def main() -> int:
     T = args.tokens
     layer, ws, state, h = random_layer(gpu, cfg, T, 0)
     layer.prefill(gpu, h, T, state, ws, 0)  # the kernels' inputs
-    steps = {step.name: step.run for step in layer.prefill_steps(h, T, state, ws)}
-    kernels = (("kda_chunk_intra", steps["chunk_intra"], INTRA_PHASES, 0,
+    # each kernel alone over all chunks: the layer may run the walk beside the last intra blocks
+    intra, walk = layer.core_apart(ws, state.recurrent, T)
+    kernels = (("kda_chunk_intra", intra, INTRA_PHASES, 0,
                 cfg.t_pad(T) // CHUNK * cfg.num_heads, "blocks"),
-               ("kda_chunk_inter", steps["chunk_inter"], WALK_PHASES, WALK_FIRST,
+               ("kda_chunk_inter", walk, WALK_PHASES, WALK_FIRST,
                 cfg.num_heads * cfg.head_dim // WALK_ROWS * (cfg.t_pad(T) // CHUNK),
                 "chunks of a block"))
     plain = [median_ms(gpu, lambda: run(0), 0, 10, 3) for _, run, *_ in kernels]
