@@ -398,25 +398,26 @@ class Glm5NextKdaLayer:
 
     def _intra(self, stream: int, ws: Glm5NextKdaWorkspace, b_raw: DevicePtr,
                chunk: tuple[DevicePtr, ...], t: int, pad_fill: float,
-               segs: SegmentTable | None) -> None:
-        """The chunk_intra step: the chunk's operands, from conv_out, g_raw and b_raw, and,
-        only when a stage hook will read them, the decay and beta it formed on the way, from
-        kda_gate_beta (the same formula: gate.cuh) into gate and beta, padded rows pad_fill.
-        No kernel reads those two, so without a hook nothing would."""
+               segs: SegmentTable | None, split: int | None) -> None:
+        """The chunk_intra step: the chunk's operands (of the chunks before `split`, where
+        `core_split` gave one), from conv_out, g_raw and b_raw, and, only when a stage hook
+        will read them, the decay and beta it formed on the way, from kda_gate_beta (the same
+        formula: gate.cuh) into gate and beta, padded rows pad_fill. No kernel reads those
+        two, so without a hook nothing would."""
         c, w, kn = self.cfg, self.weights, self.kernels
         if self.stage_hook is not None:
             kn.kda_gate_beta(stream, ws.g_raw, b_raw, c.gate_in_width, w.a_log, w.dt_bias,
                              ws.gate, ws.beta, t, segs, pad_fill)
         kn.kda_chunk_intra(stream, ws.conv_out, ws.g_raw, b_raw, c.gate_in_width, w.a_log,
-                           w.dt_bias, *chunk, t, segs, kn.core_split(t, segs))
+                           w.dt_bias, *chunk, t, segs, split)
 
     def _walk(self, stream: int, ws: Glm5NextKdaWorkspace, b_raw: DevicePtr,
               chunk: tuple[DevicePtr, ...], rec_state: DevicePtr, t: int,
-              segs: SegmentTable | None) -> None:
-        """The chunk_inter step: the walk, or, where `core_split` says, the walk with the last
-        chunks' intra blocks beside it (kda_chunk_core; the chunk_intra step ran the rest)."""
+              segs: SegmentTable | None, split: int | None) -> None:
+        """The chunk_inter step: the walk, or, where `core_split` gave `split`, the walk with
+        the intra blocks of the chunks from there beside it (kda_chunk_core; the chunk_intra
+        step ran the rest)."""
         c, w, kn = self.cfg, self.weights, self.kernels
-        split = kn.core_split(t, segs)
         if split is None:
             kn.kda_chunk_inter(stream, *chunk, rec_state, ws.core, t, segs)
         else:
@@ -431,13 +432,16 @@ class Glm5NextKdaLayer:
         function of a stream, for timing them apart: the whole intra kernel (on the inputs the
         last prefill left in `ws`) and the walk from rec_state, on `kernels` (default the
         layer's; another core's walk reads the same operands)."""
-        c, w, kn = self.cfg, self.weights, kernels or self.kernels
-        b_raw = ws.ptr("gate_in") + c.gate_in_col("b") * BF16.itemsize
-        chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
-        return (lambda s: self.kernels.kda_chunk_intra(s, ws.conv_out, ws.g_raw, b_raw,
-                                                       c.gate_in_width, w.a_log, w.dt_bias,
-                                                       *chunk, t),
+        kn = kernels or self.kernels
+        b_raw, chunk = self._core_operands(ws)
+        return (lambda s: self._intra(s, ws, b_raw, chunk, t, 0.0, None, None),
                 lambda s: kn.kda_chunk_inter(s, *chunk, rec_state, ws.core, t))
+
+    def _core_operands(self, ws: Glm5NextKdaWorkspace) -> tuple[DevicePtr, tuple[DevicePtr, ...]]:
+        """What the chunk steps read besides conv_out and g_raw, and hand each other: gate_in's
+        b columns (row stride gate_in_width) and the chunk_* buffers, qg, kd, gl, w, u, aqk."""
+        return (ws.ptr("gate_in") + self.cfg.gate_in_col("b") * BF16.itemsize,
+                tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk")))
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
@@ -446,10 +450,10 @@ class Glm5NextKdaLayer:
         # a plain prefill's states are the caller's; a packed one's, the pool's slots
         state_writes = (("state.conv",), ("state.recurrent",)) if segs is None else ((), ())
         gate_in = ws.ptr("gate_in")
-        f_a, g_a, b_raw = (gate_in + c.gate_in_col(p) * BF16.itemsize
-                           for p in ("f_a", "g_a", "b"))
+        f_a, g_a = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a"))
         w_gate_in = w.w_in + c.conv_dim * c.hidden_size * BF16.itemsize  # w_in's f_a|g_a|b rows
-        chunk = tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk"))
+        b_raw, chunk = self._core_operands(ws)
+        split = kn.core_split(t, segs)  # one decision for both chunk steps
         return [
             Step("qkv_gemm", "gemm_bf16", ("qkv_proj",),
                  lambda s: kn.gemm_bf16(s, hidden, c.hidden_size, w.w_in, ws.qkv_proj,
@@ -469,10 +473,10 @@ class Glm5NextKdaLayer:
                  lambda s: self._conv(s, ws, conv_state, t, pad_fill, segs)),
             Step("chunk_intra", f"kda_chunk_intra_d{c.head_dim}, kda_gate_beta",
                  ("gate", "beta", *(f"chunk_{n}" for n in ("qg", "kd", "gl", "w", "u", "aqk"))),
-                 lambda s: self._intra(s, ws, b_raw, chunk, t, pad_fill, segs)),
-            Step("chunk_inter", kn.chunk_inter_name if kn.core_split(t, segs) is None
+                 lambda s: self._intra(s, ws, b_raw, chunk, t, pad_fill, segs, split)),
+            Step("chunk_inter", kn.chunk_inter_name if split is None
                  else f"kda_chunk_core_d{c.head_dim}", ("core", *state_writes[1]),
-                 lambda s: self._walk(s, ws, b_raw, chunk, rec_state, t, segs)),
+                 lambda s: self._walk(s, ws, b_raw, chunk, rec_state, t, segs, split)),
             Step("rmsnorm", "gated_rmsnorm", ("o_norm_out",),
                  lambda s: kn.gated_rmsnorm(s, ws.core, ws.out_gate, w.o_norm, ws.o_norm_out,
                                             t)),
