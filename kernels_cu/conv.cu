@@ -75,8 +75,14 @@ __device__ __forceinline__ void conv_thread(
             wr[k][4] = w1.x, wr[k][5] = w1.y, wr[k][6] = w1.z, wr[k][7] = w1.w;
         }
     }
-    for (int t = t0; t < min(t1, sg.rows); ++t) {  // the whole group: t is shared
-        const uint4 xin = conv_input(x, state, sg.init, conv_dim, W, t, c);
+    // The next token's row is loaded before this token's arithmetic: with one 16-byte load in
+    // flight a thread (three blocks an SM) DRAM was half busy (perf-log v58: -23 to -26%; two
+    // or four rows ahead were no faster).
+    const int t_end = min(t1, sg.rows);
+    uint4 next = t0 < t_end ? conv_input(x, state, sg.init, conv_dim, W, t0, c) : uint4{};
+    for (int t = t0; t < t_end; ++t) {  // the whole group: t is shared
+        const uint4 xin = next;
+        if (t + 1 < t_end) next = conv_input(x, state, sg.init, conv_dim, W, t + 1, c);
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < NW; ++k) {  // taps oldest first, as the one-token form sums them
@@ -128,9 +134,9 @@ __device__ __forceinline__ void conv_thread(
         const float* __restrict__ w, bf16* __restrict__ conv_out, const int* __restrict__ segs,  \
         int nseg, int T, int T_pad, int H, int D, int W
 
-// Any width up to MAX_CONV_KERNEL, taps chosen at run time. Four blocks an SM, 64 registers a thread:
-// left free, ptxas takes 98 (two blocks an SM).
-extern "C" __global__ void __launch_bounds__(THREADS, 4) prefill_conv_qkv(PREFILL_CONV_ARGS) {
+// Any width up to MAX_CONV_KERNEL, taps chosen at run time. Three blocks an SM, as the W = 4
+// kernel: left free, ptxas takes ~100 registers (two blocks an SM); at four it spills.
+extern "C" __global__ void __launch_bounds__(THREADS, 3) prefill_conv_qkv(PREFILL_CONV_ARGS) {
     conv_thread<MAX_CONV_KERNEL>(qkv_proj, state, w, conv_out, segs, nseg, T, T_pad, H, D, W);
 }
 
