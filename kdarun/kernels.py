@@ -74,11 +74,11 @@ CONV_TOKENS = 16  # consecutive tokens one prefill conv thread walks
 WALK_ROWS = 64  # state rows (v) one kda_chunk_inter block carries: a warpgroup MMA's m
 WALK_THREADS = 160  # kda_chunk_inter's block: one warpgroup and the copies' warp
 # kda_chunk_core (the walk beside the last intra blocks, where the walk's blocks leave half the
-# SMs or more idle): the share of the chunks the intra kernel runs alone first. The walk must
-# not overtake the intra blocks beside it, which run on the SMs it leaves at one block an SM:
-# at kimi-linear-48b on an H200 (walk 0.66 ms, intra 1.23 at T = 16384, perf-log v56; 68 SMs
-# left at 1/1.44 of two blocks' rate, v11) the share that just keeps ahead is ~0.8.
-CORE_ALONE = 0.8
+# SMs or more idle): the share of the chunks, in percent, the intra kernel runs alone first. The
+# walk must not overtake the intra blocks beside it, which run on the SMs it leaves at one block
+# an SM: at kimi-linear-48b on an H200 (walk 0.66 ms, intra 1.23 at T = 16384, perf-log v56; 68
+# SMs left at 1/1.44 of two blocks' rate, v11) the share that just keeps ahead is ~80%.
+CORE_ALONE_PCT = 80
 PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a chunk has 4 pieces)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
@@ -764,7 +764,7 @@ class Glm5NextKdaKernels:
         if (self.core != "hopper" or not core_split_allowed() or n != 1 or chunks < 2
                 or 2 * walkers > self.gpu.sm_count):
             return None
-        return min(chunks - 1, max(1, round(CORE_ALONE * chunks)))
+        return min(chunks - 1, max(1, round(CORE_ALONE_PCT * chunks / 100)))
 
     def kda_chunk_core(self, stream: int, conv_out: DevicePtr, g_raw: DevicePtr,
                        b_raw: DevicePtr, ldb: int, a_log: DevicePtr, dt_bias: DevicePtr,
