@@ -82,7 +82,10 @@ CORE_ALONE_PCT = 80
 PORTABLE_WALK_STAGES = 5  # most slots of the portable walk's operand ring (a chunk has 4 pieces)
 NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: one wave
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
-BATCH_OVERLAP = 0  # the same for the batch kernels: 1 measured slower at B = 64 (perf-log v36)
+# token rows up to which the batch kernels' launches overlap too (0: never): on the H200 batched
+# decode of kimi-linear-48b took 46.1 / 72.3 / 97.4 us at B = 8 / 16 / 32 overlapped against
+# 50.6 / 77.2 / 99.0 (perf-log v58); at B = 64 overlap measured 5% slower (v36)
+BATCH_OVERLAP_ROWS = 32
 BATCH_WG = 1  # the batch GEMVs on gemv_wg.cu where sm_90a's build runs (Glm5NextKdaKernels.wg)
 i32, i64, f32 = np.int32, np.int64, np.float32
 NULL = np.uint64(0)  # an optional pointer argument left out (a DevicePtr may not be null)
@@ -254,13 +257,14 @@ def _gemv_shares(rows: int, k: int, sm_count: int, reserved: int = 0, at_least: 
     return ks
 
 
-def _overlap(batch: bool = False) -> bool:
+def _overlap(rows: int | None = None) -> bool:
     """Whether a launch of decode's kernels (its GEMVs and stateful walks, which call
     prior_grid_sync) may overlap the launch before it: DECODE_OVERLAP for decode's own
-    launches (its GEMV entries, `_decode_gemv`, and kda_decode_rows), BATCH_OVERLAP for the
-    batch kernels (the slab GEMVs, kda_decode_batch); read at each launch, so tools/sweep.py
-    can switch them."""
-    return bool(BATCH_OVERLAP if batch else DECODE_OVERLAP)
+    launches (its GEMV entries, `_decode_gemv`, and kda_decode_rows; rows None), and for the
+    batch kernels (the slab GEMVs, gemv_wg.cu's, kda_decode_batch) over `rows` token rows
+    where those are at most BATCH_OVERLAP_ROWS; read at each launch, so tools/sweep.py can
+    switch them."""
+    return bool(DECODE_OVERLAP) if rows is None else 0 < rows <= BATCH_OVERLAP_ROWS
 
 
 def _cfg1d(n: int) -> LaunchConfig:
@@ -396,7 +400,7 @@ class Glm5NextKdaKernels:
         BATCH_SLAB_ROWS token rows (grid x: a weight block's slabs neighbours in launch
         order)."""
         return LaunchConfig((_blocks(m, BATCH_SLAB_ROWS), blocks, 1), (32 * GEMV_WARPS, 1, 1),
-                            overlap=_overlap(batch=True))
+                            overlap=_overlap(rows=m))
 
     @property
     def wg(self) -> bool:
@@ -446,7 +450,7 @@ class Glm5NextKdaKernels:
                 raise KdaError(f"DENSE_SPLIT_SHARES: expected a power of two, got {per}")
             split = ks // per if m <= DENSE_SPLIT_ROWS else 1
             cfg = LaunchConfig((_blocks(m, WG_TILE), _blocks(n, WG_TILE), split),
-                               (WG_THREADS, 1, 1), overlap=_overlap(batch=True))
+                               (WG_THREADS, 1, 1), overlap=_overlap(rows=m))
             self._launch("gemv_wg", "dense_gemv_wg", cfg, (
                 self._tensor_map("dense_gemv_wg", w, n, k, k),
                 self._tensor_map("dense_gemv_wg", x, m, k, k), y, i32(n), i32(k), i32(m),
@@ -529,7 +533,7 @@ class Glm5NextKdaKernels:
                               (gate_in, ldg), (g_a, ldg)):
                 blocks, shares = self._front_end_wg_plan
                 cfg = LaunchConfig((_blocks(m, WG_TILE), blocks, 1), (WG_THREADS, 1, 1),
-                                   overlap=_overlap(batch=True))
+                                   overlap=_overlap(rows=m))
                 name = "front_end_wg"
                 maps = (self._tensor_map(name, w_in, c.proj_rows, k, k),
                         self._tensor_map(name, hidden, m, k, k),
@@ -673,7 +677,7 @@ class Glm5NextKdaKernels:
         split = self._batch_split(nseq)
         smem = decode_batch_smem(self.cc, c.head_dim, c.head_dim // split, nrows)
         cfg = LaunchConfig((c.num_heads, split, nseq), (2 * c.head_dim, 1, 1), smem,
-                           overlap=_overlap(batch=True))
+                           overlap=_overlap(rows=nseq * nrows))
         self._launch("recurrent", f"kda_decode_batch_d{c.head_dim}", cfg,
                      (x, conv_pool, conv_w, conv_out, gate, beta, rec_pool, core, out_gate,
                       o_norm_w, o_norm_out, slots, NULL if snap_slots is None else snap_slots,

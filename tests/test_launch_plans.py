@@ -260,15 +260,17 @@ def test_decode_walk_runs_in_one_wave(sm_count):
             assert split == {"kimi-linear-48b": 4, "glm-5.3-flash": 2}[preset]
 
 
-@pytest.mark.parametrize("single, batch", [(1, 0), (0, 1), (0, 0)])
-def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single, batch):
+@pytest.mark.parametrize("single, batch_rows", [(1, 0), (0, 32), (0, 0), (1, 16)])
+def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single,
+                                                       batch_rows):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
     overlap the launch before them: decode's own (its GEMV entries up to DECODE_GEMV_GROUPS
     column groups, kda_decode_rows) by DECODE_OVERLAP, the batch kernels (the batch GEMVs,
-    kda_decode_batch) by BATCH_OVERLAP; every other kernel (prefill's), and a walk that may
-    follow another walk (`stateful_row`), waits for the one before."""
+    kda_decode_batch) where their token rows are at most BATCH_OVERLAP_ROWS; every other
+    kernel (prefill's), and a walk that may follow another walk (`stateful_row`), waits for
+    the one before."""
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", single)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP", batch)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", batch_rows)
     monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", 2)  # 9 rows take the _x2 entries
     env = Env(host, ckpts["bounded"], 256)
     launched: list[tuple[str, bool]] = []
@@ -278,18 +280,22 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     st = env.state(*env.warm_state(seed=5))
     env.prefill(random_hidden(70, env.cfg.hidden_size, 6), st)
     assert launched and not any(o for _, o in launched)  # prefill's
-    launched.clear()
-    assert_batch_matches_single(env, 3, 1, seed=7)  # decode_batch of 3 rows, and decode
-    assert_batch_matches_single(env, 3, 3, seed=8)  # verify_batch of 9 rows, and decode_k
-    assert_batch_matches_single(env, 3, 6, seed=11)  # 18 rows: the batch GEMVs
-    assert_batch_matches_single(env, 1, 1, seed=9, pad=0)  # a batch of one: decode's launch
     d = env.cfg.head_dim
     own = {"front_end_gemv", "dense_gemv_bf16", "front_end_gemv_x2", "dense_gemv_bf16_x2",
            f"kda_decode_rows_d{d}", f"kda_decode_rows_slot_d{d}"}
     batched = {"front_end_gemv_batch", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
-    assert {name for name, _ in launched} >= own | batched
-    for name, o in launched:
-        assert o == (bool(single) and name in own or bool(batch) and name in batched), name
+    seen: set[str] = set()
+    # decode_batch of 5 rows (2 padding) and decode; verify_batch of 15 rows and decode_k;
+    # 30 rows, the batch GEMVs; a batch of one, decode's launch
+    for nseq, k, seed, pad in [(3, 1, 7, 2), (3, 3, 8, 2), (3, 6, 11, 2), (1, 1, 9, 0)]:
+        launched.clear()
+        assert_batch_matches_single(env, nseq, k, seed=seed, pad=pad)
+        rows = (nseq + pad) * k
+        for name, o in launched:
+            want = bool(single) and name in own or name in batched and rows <= batch_rows
+            assert o == want, (name, rows)
+        seen |= {name for name, _ in launched}
+    assert seen >= own | batched
     launched.clear()  # the seed API's pieces: a walk after a walk of the same state never
     h = host.upload(random_hidden(2, env.cfg.hidden_size, 10))  # overlaps it
     env.layer.front_end(host, h, 2, env.ws, 0)

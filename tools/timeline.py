@@ -4,10 +4,10 @@ CUDA activity that PyTorch's profiler records (CUPTI) shows it: per launch of a 
 median start after the replay's first kernel started, its duration, and its gap after the
 launch ahead (negative: the two overlapped). The step figures of `kdarun bench` time each
 launch alone; this shows what the chained launches do together (overlapped launches,
-`kdarun.kernels.DECODE_OVERLAP` / `BATCH_OVERLAP`, among them).
+`kdarun.kernels.DECODE_OVERLAP` / `BATCH_OVERLAP_ROWS`, among them).
 
     PYTHONPATH=. python3 tools/timeline.py --batch 1,64 [--preset kimi-linear-48b] [--k 1]
-        [--set BATCH_OVERLAP=0,1]                      # on the device machine
+        [--set BATCH_OVERLAP_ROWS=0,32]                # on the device machine
 
 The replays run under the profiler, which may stretch them a little: compare variants of one
 run, not these times with the benchmark's.

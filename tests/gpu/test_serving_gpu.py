@@ -152,8 +152,8 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     reads its states before it waits for the front end: eight calls chained with nothing
     between them (each call's first launch overlapping the last one's end), eagerly and as
     one captured graph, end in the same states, snapshots and last outputs, bit for bit, as
-    the calls launched without overlap and each waited for (both switches, DECODE_OVERLAP and
-    BATCH_OVERLAP, on, then off). b = 0: `decode` on a KdaSeqState; b = -3: `decode_k` of 3
+    the calls launched without overlap and each waited for (DECODE_OVERLAP on and every batch
+    kernel overlapped, whatever its rows, then neither). b = 0: `decode` on a KdaSeqState; b = -3: `decode_k` of 3
     rows with snapshots (copies between the walk and o_proj); b > 0: `decode_batch`."""
     from kdarun import cuda_backend, kernels
     cu, _ = pair
@@ -200,14 +200,14 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
         return [out[live]] + [a for slot in states for a in slot]
 
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP", 0)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 0)
     reset()
     for i in range(steps):
         call(i)
         gpu.synchronize(stream)
     want = result()
     monkeypatch.setattr(kernels, "DECODE_OVERLAP", 1)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP", 1)  # off by default, kept working
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 1 << 30)  # past the default's rows too
     reset()
     for i in range(steps):
         call(i)
