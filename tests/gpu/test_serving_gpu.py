@@ -153,8 +153,9 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     between them (each call's first launch overlapping the last one's end), eagerly and as
     one captured graph, end in the same states, snapshots and last outputs, bit for bit, as
     the calls launched without overlap and each waited for (DECODE_OVERLAP on and every batch
-    kernel overlapped, whatever its rows, then neither). b = 0: `decode` on a KdaSeqState; b = -3: `decode_k` of 3
-    rows with snapshots (copies between the walk and o_proj); b > 0: `decode_batch`."""
+    kernel overlapped, whatever its rows, then neither). b = 0: `decode` on a KdaSeqState;
+    b = -3: `decode_k` of 3 rows with snapshots (copies between the walk and o_proj); b > 0:
+    `decode_batch`."""
     from kdarun import cuda_backend, kernels
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
