@@ -116,7 +116,7 @@ def test_the_core_path_is_chosen_by_capability_and_forced_by_name(monkeypatch):
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("cc", [90, 80])
-@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64, 65, 256, 257])
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257])
 def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, groups, monkeypatch):
     """o_proj and the front end over m token rows: decode's launch up to DECODE_GEMV_GROUPS
     column groups (its _x2 entries past one), else one launch of every 64-row slab side by
@@ -126,21 +126,24 @@ def test_batch_gemvs_run_their_slabs_in_one_launch(m, cc, groups, monkeypatch):
     launches are gemv_wg.cu's, a block a 64-row tile of weights and of tokens, the matrices by
     tensor maps, o_proj's K shares split over grid z up to DENSE_SPLIT_ROWS rows. The front
     end's sync words hold a pair a slab; o_proj's split scratch a count a (slab, tile) and a
-    64 x 64 fp32 tile for each of up to GEMV_WARPS shares."""
+    64 x 64 fp32 tile for each of up to GEMV_WARPS shares. Decode's launches overlap the
+    launch before them (DECODE_OVERLAP); the batch forms where m <= BATCH_OVERLAP_ROWS."""
     monkeypatch.setattr(kernels, "DECODE_GEMV_GROUPS", groups)
     cfg = synthetic.preset_config("kimi-linear-48b")
     kn = Glm5NextKdaKernels(host_with_sms(132), cfg)
     kn.use_build(cc)
     launched = []
     monkeypatch.setattr(kn, "_launch", lambda family, name, cfg_, args, stream:
-                        launched.append((name, cfg_.grid, args)))
+                        launched.append((name, cfg_.grid, args, cfg_.overlap)))
     p = [DevicePtr(16 * (i + 1)) for i in range(14)]
     part, count = DevicePtr(4096), DevicePtr(8192)
     kn.dense_gemv_bf16_batchm(0, p[0], p[1], p[2], cfg.hidden_size, cfg.qkv, m, part, count)
     kn.front_end_gemv(0, *p, m)
     slabs = ceil_div(m, kernels.BATCH_SLAB_ROWS)
-    (dense, dense_grid, dense_args), (front, front_grid, front_args) = launched
+    (dense, dense_grid, dense_args, dense_ov), (front, front_grid, front_args, front_ov) = launched
     decode = m <= kernels.GEMV_COLUMNS * kernels.DECODE_GEMV_GROUPS
+    assert dense_ov == front_ov == (bool(kernels.DECODE_OVERLAP) if decode else
+                                    m <= kernels.BATCH_OVERLAP_ROWS)
     wg = m >= kernels.WG_FROM_ROWS and cc == 90
     dense_wg = m >= kernels.DENSE_WG_FROM_ROWS and cc == 90 and not decode
     if wg:  # six matrices by tensor maps, then the slab kernel's arguments less w_in, x, f_b, g_b
@@ -260,7 +263,7 @@ def test_decode_walk_runs_in_one_wave(sm_count):
             assert split == {"kimi-linear-48b": 4, "glm-5.3-flash": 2}[preset]
 
 
-@pytest.mark.parametrize("single, batch_rows", [(1, 0), (0, 32), (0, 0), (1, 16)])
+@pytest.mark.parametrize("single, batch_rows", [(1, 0), (0, 32), (0, 0), (1, 15), (0, 30)])
 def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch, single,
                                                        batch_rows):
     """Decode's GEMVs and stateful walks, whose kernels call prior_grid_sync, are launched to
@@ -286,7 +289,7 @@ def test_overlapping_launches_are_decodes_and_switched(host, ckpts, monkeypatch,
     batched = {"front_end_gemv_batch", "dense_gemv_wg", f"kda_decode_batch_d{d}"}
     seen: set[str] = set()
     # decode_batch of 5 rows (2 padding) and decode; verify_batch of 15 rows and decode_k;
-    # 30 rows, the batch GEMVs; a batch of one, decode's launch
+    # 30 rows, the batch GEMVs; a batch of one, decode's launch (15 and 30: at the bound)
     for nseq, k, seed, pad in [(3, 1, 7, 2), (3, 3, 8, 2), (3, 6, 11, 2), (1, 1, 9, 0)]:
         launched.clear()
         assert_batch_matches_single(env, nseq, k, seed=seed, pad=pad)
