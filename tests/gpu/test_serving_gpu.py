@@ -226,6 +226,71 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     gpu.destroy_stream(stream)
 
 
+def test_overlapped_and_apart_batches_chained_equal_calls_one_at_a_time(pair, monkeypatch):
+    """Batched decode calls of 64 rows (launched apart: past BATCH_OVERLAP_ROWS) and of 8
+    rows (overlapped) in turn, on slots the calls share, chained with nothing between them,
+    eagerly and as one captured graph, end in the same pool and last outputs, bit for bit, as
+    the same calls launched without overlap and each waited for: a walk that reads its states
+    before its wait sees the last call's writes whichever form that call took."""
+    from kdarun import cuda_backend
+    cu, _ = pair
+    gpu, cfg, steps = cu.gpu, cu.cfg, 8
+    sizes = [64 if i % 2 == 0 else 8 for i in range(steps)]
+    assert sizes[1] <= kernels.BATCH_OVERLAP_ROWS < sizes[0]  # the default mixes both forms
+    defaults = kernels.DECODE_OVERLAP, kernels.BATCH_OVERLAP_ROWS
+    overlapped = []
+    real = cuda_backend.launch_ex  # its last argument: whether the launch overlaps
+    monkeypatch.setattr(cuda_backend, "launch_ex", lambda kernel, *rest: (
+        rest[-1] and overlapped.append(kernel), real(kernel, *rest)))
+    stream = gpu.create_stream()
+    pool = KdaStatePool(gpu, cfg, 80, stream)
+    start = [cu.warm_state(seed=610 + s % 5) for s in range(80)]
+    rng = np.random.default_rng(611)
+    tables = [gpu.upload(rng.permutation(80)[:n].astype(np.int32), stream) for n in sizes]
+    first = np.cumsum([0, *sizes])  # each call's first hidden row
+    row = cfg.hidden_size * 2
+    h = gpu.upload(random_hidden(int(first[-1]), cfg.hidden_size, 612), stream)
+
+    def reset():
+        for s in range(80):
+            pool.upload(s, *start[s], stream)
+        cu.ws.poison(stream)
+
+    def call(i):
+        cu.layer.decode_batch(gpu, h + int(first[i]) * row, sizes[i], tables[i], pool, cu.ws,
+                              stream)
+
+    def result():
+        gpu.synchronize(stream)
+        out = gpu.download(cu.ws.final_out, (sizes[-1], cfg.hidden_size), BF16, stream)
+        return [out] + [a for s in range(80) for a in pool.download(s, stream)]
+
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 0)
+    reset()
+    for i in range(steps):
+        call(i)
+        gpu.synchronize(stream)
+    want = result()
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", defaults[0])
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", defaults[1])
+    reset()
+    for i in range(steps):
+        call(i)
+    eager = result()
+    graph = gpu.capture(lambda: [call(i) for i in range(steps)], stream)
+    reset()
+    graph.replay(stream)
+    replayed = result()
+    for got in (eager, replayed):
+        for x, y in zip(want, got):
+            assert np.array_equal(bits(x), bits(y))
+    # the 8-row calls overlapped their three launches (decode's GEMVs and the batch walk), the
+    # 64-row calls none, eagerly and in the capture, where the GPU has cuLaunchKernelEx
+    assert len(overlapped) == (2 * 3 * (steps // 2) if gpu.compute_capability >= 90 else 0)
+    gpu.destroy_stream(stream)
+
+
 def test_torch_tensors_and_stream_give_the_same_bits(cuda, gpu_ckpts):
     """An engine's call: batched decode on torch tensors' data_ptr()s on torch's current
     stream, eagerly and inside torch.cuda.graph capture, equals the native call bit for bit."""
