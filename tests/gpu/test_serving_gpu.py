@@ -145,6 +145,40 @@ def test_graph_replay_with_new_slot_tables_equals_eager(pair):
     gpu.destroy_stream(stream)
 
 
+def _chained_equal_apart(gpu, stream, steps, reset, call, result, monkeypatch,
+                         overlap: dict[str, int]) -> list[str]:
+    """`steps` calls (`call(i)`, after `reset()`) launched without overlap, each waited for,
+    then with the overlap settings `overlap` ({name: value} of kdarun.kernels) chained with
+    nothing between them, eagerly and as one captured graph: `result()` the same bits every
+    time. Returns the kernels launched with overlap (eager, then the capture's)."""
+    from kdarun import cuda_backend
+    launched = []
+    real = cuda_backend.launch_ex  # its last argument: whether the launch overlaps
+    monkeypatch.setattr(cuda_backend, "launch_ex", lambda kernel, *rest: (
+        rest[-1] and launched.append(kernel), real(kernel, *rest)))
+    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
+    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 0)
+    reset()
+    for i in range(steps):
+        call(i)
+        gpu.synchronize(stream)
+    want = result()
+    for name, value in overlap.items():
+        monkeypatch.setattr(kernels, name, value)
+    reset()
+    for i in range(steps):
+        call(i)
+    eager = result()
+    graph = gpu.capture(lambda: [call(i) for i in range(steps)], stream)
+    reset()
+    graph.replay(stream)
+    replayed = result()
+    for got in (eager, replayed):
+        for x, y in zip(want, got):
+            assert np.array_equal(bits(x), bits(y))
+    return launched
+
+
 @pytest.mark.parametrize("b", [0, -3, 1, 64], ids=["decode", "decode_k", "batch_of_one",
                                                    "batch_of_64"])
 def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monkeypatch):
@@ -156,13 +190,8 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
     kernel overlapped, whatever its rows, then neither). b = 0: `decode` on a KdaSeqState;
     b = -3: `decode_k` of 3 rows with snapshots (copies between the walk and o_proj); b > 0:
     `decode_batch`."""
-    from kdarun import cuda_backend, kernels
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
-    overlapped = []
-    real = cuda_backend.launch_ex  # its last argument: whether the launch overlaps
-    monkeypatch.setattr(cuda_backend, "launch_ex", lambda kernel, *rest: (
-        rest[-1] and overlapped.append(kernel), real(kernel, *rest)))
     stream = gpu.create_stream()
     rows, row = abs(b) or 1, cfg.hidden_size * 2
     pool = KdaStatePool(gpu, cfg, 80, stream)
@@ -200,26 +229,9 @@ def test_overlapped_launches_chained_equal_launches_one_at_a_time(pair, b, monke
                   [s.download() for s in [st, *snaps]])
         return [out[live]] + [a for slot in states for a in slot]
 
-    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 0)
-    reset()
-    for i in range(steps):
-        call(i)
-        gpu.synchronize(stream)
-    want = result()
-    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 1)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 1 << 30)  # past the default's rows too
-    reset()
-    for i in range(steps):
-        call(i)
-    eager = result()
-    graph = gpu.capture(lambda: [call(i) for i in range(steps)], stream)
-    reset()
-    graph.replay(stream)
-    replayed = result()
-    for got in (eager, replayed):
-        for x, y in zip(want, got):
-            assert np.array_equal(bits(x), bits(y))
+    overlapped = _chained_equal_apart(  # every batch kernel overlapped, past the default's rows
+        gpu, stream, steps, reset, call, result, monkeypatch,
+        {"DECODE_OVERLAP": 1, "BATCH_OVERLAP_ROWS": 1 << 30})
     # the path under test ran: every launch of the overlapped calls (3 a call) went through
     # cuLaunchKernelEx where the GPU has it; none of the calls launched one at a time
     assert len(overlapped) == (2 * 3 * steps if gpu.compute_capability >= 90 else 0)
@@ -232,16 +244,12 @@ def test_overlapped_and_apart_batches_chained_equal_calls_one_at_a_time(pair, mo
     eagerly and as one captured graph, end in the same pool and last outputs, bit for bit, as
     the same calls launched without overlap and each waited for: a walk that reads its states
     before its wait sees the last call's writes whichever form that call took."""
-    from kdarun import cuda_backend
     cu, _ = pair
     gpu, cfg, steps = cu.gpu, cu.cfg, 8
     sizes = [64 if i % 2 == 0 else 8 for i in range(steps)]
     assert sizes[1] <= kernels.BATCH_OVERLAP_ROWS < sizes[0]  # the default mixes both forms
-    defaults = kernels.DECODE_OVERLAP, kernels.BATCH_OVERLAP_ROWS
-    overlapped = []
-    real = cuda_backend.launch_ex  # its last argument: whether the launch overlaps
-    monkeypatch.setattr(cuda_backend, "launch_ex", lambda kernel, *rest: (
-        rest[-1] and overlapped.append(kernel), real(kernel, *rest)))
+    defaults = {"DECODE_OVERLAP": kernels.DECODE_OVERLAP,
+                "BATCH_OVERLAP_ROWS": kernels.BATCH_OVERLAP_ROWS}
     stream = gpu.create_stream()
     pool = KdaStatePool(gpu, cfg, 80, stream)
     start = [cu.warm_state(seed=610 + s % 5) for s in range(80)]
@@ -265,26 +273,8 @@ def test_overlapped_and_apart_batches_chained_equal_calls_one_at_a_time(pair, mo
         out = gpu.download(cu.ws.final_out, (sizes[-1], cfg.hidden_size), BF16, stream)
         return [out] + [a for s in range(80) for a in pool.download(s, stream)]
 
-    monkeypatch.setattr(kernels, "DECODE_OVERLAP", 0)
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", 0)
-    reset()
-    for i in range(steps):
-        call(i)
-        gpu.synchronize(stream)
-    want = result()
-    monkeypatch.setattr(kernels, "DECODE_OVERLAP", defaults[0])
-    monkeypatch.setattr(kernels, "BATCH_OVERLAP_ROWS", defaults[1])
-    reset()
-    for i in range(steps):
-        call(i)
-    eager = result()
-    graph = gpu.capture(lambda: [call(i) for i in range(steps)], stream)
-    reset()
-    graph.replay(stream)
-    replayed = result()
-    for got in (eager, replayed):
-        for x, y in zip(want, got):
-            assert np.array_equal(bits(x), bits(y))
+    overlapped = _chained_equal_apart(gpu, stream, steps, reset, call, result, monkeypatch,
+                                      defaults)
     # the 8-row calls overlapped their three launches (decode's GEMVs and the batch walk), the
     # 64-row calls none, eagerly and in the capture, where the GPU has cuLaunchKernelEx
     assert len(overlapped) == (2 * 3 * (steps // 2) if gpu.compute_capability >= 90 else 0)
