@@ -439,9 +439,13 @@ class Glm5NextKdaLayer:
 
     def _core_operands(self, ws: Glm5NextKdaWorkspace) -> tuple[DevicePtr, tuple[DevicePtr, ...]]:
         """What the chunk steps read besides conv_out and g_raw, and hand each other: gate_in's
-        b columns (row stride gate_in_width) and the chunk_* buffers, qg, kd, gl, w, u, aqk."""
-        return (ws.ptr("gate_in") + self.cfg.gate_in_col("b") * BF16.itemsize,
+        b columns and the chunk_* buffers, qg, kd, gl, w, u, aqk."""
+        return (self._gate_in_part(ws, "b"),
                 tuple(ws.ptr(f"chunk_{n}") for n in ("qg", "kd", "gl", "w", "u", "aqk")))
+
+    def _gate_in_part(self, ws: Glm5NextKdaWorkspace, part: str) -> DevicePtr:
+        """gate_in's first column of `part` (f_a, g_a or b; bf16, row stride gate_in_width)."""
+        return ws.ptr("gate_in") + self.cfg.gate_in_col(part) * BF16.itemsize
 
     def _prefill_steps(self, hidden: DevicePtr, t: int, conv_state: DevicePtr,
                        rec_state: DevicePtr, ws: Glm5NextKdaWorkspace, pad_fill: float,
@@ -450,7 +454,7 @@ class Glm5NextKdaLayer:
         # a plain prefill's states are the caller's; a packed one's, the pool's slots
         state_writes = (("state.conv",), ("state.recurrent",)) if segs is None else ((), ())
         gate_in = ws.ptr("gate_in")
-        f_a, g_a = (gate_in + c.gate_in_col(p) * BF16.itemsize for p in ("f_a", "g_a"))
+        f_a, g_a = (self._gate_in_part(ws, p) for p in ("f_a", "g_a"))
         w_gate_in = w.w_in + c.conv_dim * c.hidden_size * BF16.itemsize  # w_in's f_a|g_a|b rows
         b_raw, chunk = self._core_operands(ws)
         split = kn.core_split(t, segs)  # one decision for both chunk steps
