@@ -84,7 +84,8 @@ NORM_BLOCKS_PER_SM = 2048 // THREADS  # gated_rmsnorm's resident blocks an SM: o
 DECODE_OVERLAP = 1  # decode's launches overlap the one before (LaunchConfig.overlap); 0: off
 # token rows up to which the batch kernels' launches overlap too (0: never): on the H200 batched
 # decode of kimi-linear-48b took 46.1 / 72.3 / 97.4 us at B = 8 / 16 / 32 overlapped against
-# 50.6 / 77.2 / 99.0 (perf-log v58); at B = 64 overlap measured 5% slower (v36)
+# 50.6 / 77.2 / 99.0 (perf-log v58); at B = 64 level (140.7 against 141.3 us, v59; 5% slower
+# in v36)
 BATCH_OVERLAP_ROWS = 32
 BATCH_WG = 1  # the batch GEMVs on gemv_wg.cu where sm_90a's build runs (Glm5NextKdaKernels.wg)
 i32, i64, f32 = np.int32, np.int64, np.float32
@@ -718,7 +719,9 @@ class Glm5NextKdaKernels:
         while the launch still runs in one wave, so a small batch's state streams through more
         SMs (a state row's update does not depend on the block that owns it) and no block waits
         for a second wave (perf-log v40: kimi-linear-48b B = 8 at split 2, 1.3 waves, against
-        split 1, 20.8 -> 15.7 us)."""
+        split 1, 20.8 -> 15.7 us). Past one wave a block keeps a whole (sequence, head): split 2
+        there, for a fuller last wave, took the recurrence 12-15% longer (v59: kimi-linear-48b
+        B = 32 / 64 / 128, glm-5.3-flash B = 64), its blocks each with half the rows in flight."""
         split = 1
         blocks = self.gpu.sm_count * decode_batch_blocks_per_sm(self.cc)
         while split < DECODE_BATCH_MAX_SPLIT and nseq * self.cfg.num_heads * split * 2 <= blocks:
