@@ -275,11 +275,37 @@ class GpuBackend(abc.ABC):
         return True
 
     def upload(self, array: np.ndarray, stream: int = 0) -> DevicePtr:
-        """Allocate and copy a host array; returns its device address."""
+        """Allocate and copy a host array; returns its device address. The array's dtype is
+        remembered at that address until it is freed (`check_itemsize`)."""
         array = np.ascontiguousarray(array)
         ptr = self.alloc(max(array.nbytes, 1))
         self.copy_h2d(ptr, array, stream)
+        self._uploads()[int(ptr)] = array.dtype
         return ptr
+
+    def _uploads(self) -> dict[int, np.dtype]:
+        """The dtype `upload` (or a later `copy_h2d` to the same address) put at each live
+        address it returned."""
+        return self.__dict__.setdefault("_uploaded_dtypes", {})
+
+    def _retag(self, ptr: DevicePtr, dtype: np.dtype) -> None:
+        """`copy_h2d` wrote an array of `dtype` at ptr: an upload's address now holds that."""
+        if int(ptr) in self._uploads():
+            self._uploads()[int(ptr)] = dtype
+
+    def check_itemsize(self, ptr: DevicePtr, dtype: Any, what: str) -> None:
+        """A KdaError naming `what` where ptr is the address `upload` returned for an array
+        whose elements are not the size of `dtype`'s, which the kernels read there: an int64
+        slot table read as int32 names a slot in every other entry, float32 rows read as
+        bf16 are other numbers. Any other pointer (an offset into an allocation, memory of
+        another library's) is not known and passes."""
+        got = self._uploads().get(int(ptr))
+        want = np.dtype(dtype)
+        if got is not None and got.itemsize != want.itemsize:
+            raise KdaError(f"{what}: the kernels read {want.name} ({want.itemsize}-byte) "
+                           f"elements there, but {ptr!r} was uploaded from a {got.name} array "
+                           f"({got.itemsize}-byte elements); convert it with "
+                           f".astype() before the upload")
 
     def download(self, ptr: DevicePtr, shape: tuple[int, ...], dtype: Any,
                  stream: int = 0) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import safe_open
 
 from .config import Glm5NextKdaConfig
-from .errors import KdaError
+from .errors import KdaError, check_int
 
 LAYER_PREFIXES = {"kimi_linear": "model.layers.", "glm5_next": "model.language_model.layers."}
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -190,6 +190,9 @@ class Checkpoint:
     config layouts it is), the prefix its layers live under, and a lazy per-layer reader."""
 
     def __init__(self, path: str | Path):
+        if not isinstance(path, (str, Path)):
+            raise KdaError(f"checkpoint: the path must be a str or pathlib.Path (a checkpoint "
+                           f"directory), got {path!r}")
         self.path = Path(path)
         if not self.path.is_dir():
             raise KdaError(f"checkpoint: {self.path} "
@@ -366,6 +369,7 @@ class Checkpoint:
         stored. With tp_size > 1 only rank `tp_rank`'s share of each tensor is read (its
         heads' rows, o_proj's columns; f_a, g_a, o_norm whole), never a whole sharded tensor.
         A tensor holding NaN or Inf is refused, naming it and where."""
+        layer_idx = check_int(layer_idx, "checkpoint layer_tensors: layer_idx", 0)
         self.config.check_tp(tp_rank, tp_size)
         out: dict[str, np.ndarray] = {}
         for s, arr in self._read_layer(layer_idx, tp_rank, tp_size):

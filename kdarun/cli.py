@@ -262,7 +262,10 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                                   f"{held} tp rank(s) of layer {layer_idx} with a workspace of "
                                   f"{rows} tokens")
         if hidden is None:
+            input_text = f"random (seed {seed})"
             hidden = random_hidden(plan.total, cfg.hidden_size, seed)
+        else:  # the first rows the plan takes; said, so that rows left out are not a surprise
+            input_text = f"{input_path}: rows 0-{plan.total - 1} of its {hidden.shape[0]}"
         hidden = hidden[:plan.total]
         recorder = StageRecorder() if dump else None
         if stack is None:
@@ -295,6 +298,7 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
         click.echo(_json({
             "backend": gpu.name, "device": gpu.device_name, "checkpoint": ckpt_label,
             "layer": layer_idx, "gate": cfg.gate_form, "mode": mode, "tokens": plan.total,
+            "input": input_text,
             "tp": tp, "tp_mode": tp_run_mode,
             "wall_ms": result.wall_ms, "final_out": vars(out_err),
             "recurrent_state": vars(state_err), "reference": KDARUN_LABEL,
@@ -310,6 +314,7 @@ def layer_run(checkpoint, layer_idx, tokens, decode_steps, k, backend, input_pat
                       f"D={cfg.head_dim}, hidden={cfg.hidden_size})"),
             ("mode", mode),
             ("tokens", str(plan.total)),
+            ("input", input_text),
         ] + ([("tensor parallel", f"{tp} ranks of {cfg.num_heads // tp} head(s), "
                                   f"{tp_run_mode}")] if tp > 1 else []) + [
             ("wall time", wall + (" (with stage dumps)" if dump else "")),

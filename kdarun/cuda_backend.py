@@ -109,6 +109,7 @@ class CupyBackend(GpuBackend):
     def free(self, ptr: DevicePtr) -> None:
         if self._mem.pop(int(ptr), None) is None:
             raise KdaError(f"free: {ptr!r} is not the start of a live allocation")
+        self._uploads().pop(int(ptr), None)
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None:
         cp.cuda.runtime.memsetAsync(int(ptr), byte, nbytes, int(stream))
@@ -116,6 +117,7 @@ class CupyBackend(GpuBackend):
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
         src = np.ascontiguousarray(src)
         cp.cuda.runtime.memcpyAsync(int(dst), src.ctypes.data, src.nbytes, _H2D, int(stream))
+        self._retag(dst, src.dtype)
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int) -> None:
         if not dst.flags.c_contiguous:

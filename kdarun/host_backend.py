@@ -77,6 +77,7 @@ class HostBackend(GpuBackend):
         self._bases.remove(addr)
         self._allocated -= self._bufs[addr].nbytes
         del self._bufs[addr], self._owners[addr]
+        self._uploads().pop(addr, None)
 
     def free_memory(self) -> int:
         """The cap (`HOST_MEMORY_FRACTION` of physical memory) less the live allocations."""
@@ -121,6 +122,7 @@ class HostBackend(GpuBackend):
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
         src = np.ascontiguousarray(src)
         self.bytes_at(dst, src.nbytes)[:] = src.reshape(-1).view(np.uint8)
+        self._retag(dst, src.dtype)
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int) -> None:
         if not dst.flags.c_contiguous:

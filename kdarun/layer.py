@@ -86,6 +86,22 @@ def _check_state(state: object, what: str) -> None:
         raise KdaError(f"{what}: the state must be a KdaSeqState, got {type(state).__name__}")
 
 
+def _check_rows(gpu: GpuBackend, ptr: DevicePtr, what: str) -> None:
+    """`ptr` (hidden or out rows, bf16) a device pointer, and not an upload of elements of
+    another size (`GpuBackend.check_itemsize`)."""
+    DevicePtr.check(ptr, what)
+    gpu.check_itemsize(ptr, BF16, what)
+
+
+def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int, what: str) -> None:
+    """`out` is `hidden` itself (in place) or lies apart from its nbytes: a window's rows
+    copied to an out that starts inside hidden would overwrite rows a later window reads."""
+    if out != hidden and out < hidden + nbytes and hidden < out + nbytes:
+        raise KdaError(f"{what}: out {out!r} overlaps hidden {hidden!r} ({nbytes} bytes each) "
+                       f"without being it: a window's output would overwrite input rows a "
+                       f"later window reads; pass hidden itself (in place) or a buffer apart")
+
+
 @functools.cache
 def _rows_writes(row: int, n: int, nsnap: int) -> tuple[str, ...]:
     """What decode's walk over rows [row, row+n) writes: each row's outputs, and the states
@@ -105,11 +121,31 @@ class Glm5NextKdaLayer:
                  kernels: Glm5NextKdaKernels):
         if kernels.cfg != cfg:
             raise KdaError(f"layer {layer_idx}: kernels were bound for a different config")
+        if not isinstance(weights, Glm5NextKdaWeights):
+            raise KdaError(f"layer {layer_idx}: the weights must be a Glm5NextKdaWeights, got "
+                           f"{type(weights).__name__}")
+        diff = cfg.mismatch(weights.cfg, BUFFER_FIELDS)  # the fields device_layout reads
+        if diff:
+            raise KdaError(f"layer {layer_idx}: the weights were uploaded for a config of "
+                           f"{diff} as this layer's")
         self.layer_idx = layer_idx
         self.cfg = cfg
         self.weights = weights
         self.kernels = kernels
-        self.stage_hook: StageHook | None = None
+        self.stage_hook = None
+
+    @property
+    def stage_hook(self) -> StageHook | None:
+        """Called as hook(stage, gpu, stream) with each public buffer a step writes, right
+        after the step (`kdarun.stages`); None: no hook."""
+        return self._stage_hook
+
+    @stage_hook.setter
+    def stage_hook(self, hook: StageHook | None) -> None:
+        if hook is not None and not callable(hook):
+            raise KdaError(f"layer {self.layer_idx}: stage_hook must be callable as "
+                           f"hook(stage, gpu, stream), or None; got {hook!r}")
+        self._stage_hook = hook
 
     # -- running a table -----------------------------------------------------------------
     def run_steps(self, gpu: GpuBackend, steps: Sequence[Step], t: int,
@@ -160,6 +196,7 @@ class Glm5NextKdaLayer:
         if len(snapshots) not in (0, k - 1):
             raise KdaError(f"{what} pass k-1 = {k - 1} snapshots or none, got {len(snapshots)}")
         own = [(state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)]
+        taken: list[tuple[DevicePtr, int, int]] = []  # the snapshots' regions so far, and whose
         for i, pair in enumerate(snapshots):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
                     isinstance(p, DevicePtr) and not p.is_null for p in pair)):
@@ -170,6 +207,13 @@ class Glm5NextKdaLayer:
                 if any(p < a + m and a < p + n for a, m in own):
                     raise KdaError(f"{what} snapshot {i} ({p!r}) lies in the state's own "
                                    f"buffers, which the last row writes")
+                for a, m, j in taken:
+                    if p < a + m and a < p + n:
+                        whose = "its own recurrent target" if j == i else f"snapshot {j}'s"
+                        raise KdaError(f"{what} snapshot {i} ({p!r}, {n} bytes) overlaps "
+                                       f"{whose} ({a!r}, {m} bytes): one state would "
+                                       f"overwrite another")
+                taken.append((p, n, i))
         return snapshots
 
     def _stage(self, name: str, kernel: str, t: int, state: KdaSeqState | None,
@@ -265,25 +309,36 @@ class Glm5NextKdaLayer:
         """The weight-heavy, stateless half of decode over t rows of hidden [t, hidden] bf16,
         one launch: the packed q|k|v|f_a|g_a|b GEMV (writing qkv_parts and qkv_proj too), the
         low-rank gates with the forget gate, and beta."""
+        t = check_int(t, "front_end: t", 1)
+        _check_rows(gpu, hidden, "front_end: hidden")
+        self.check_fits(ws)
+        ws.check_tokens(t, "front_end")
         self.run_steps(gpu, [self._front_end_step(hidden, t, ws)], t, None, ws, stream)
 
     def stateful_row(self, gpu: GpuBackend, row: int, state: KdaSeqState,
                      ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Token `row` of the front end's rows, one launch: conv (+SiLU+L2) rolling the conv
         state, the recurrent step updating the state in place, and the gated RMSNorm."""
+        row = check_int(row, "stateful_row: row", 0)
+        _check_state(state, "stateful_row")
+        self.check_fits(ws, state)
+        ws.check_tokens(row + 1, "stateful_row: row + 1")
         self.run_steps(gpu, [self._rows_step(row, 1, state, ws, 0, after_front_end=False)],
                        row + 1, state, ws, stream)
 
     def back_end(self, gpu: GpuBackend, t: int, ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """o_proj over the t rows the stateful walk normalised: ws.o_norm_out ->
         ws.final_out [t, hidden] bf16."""
+        t = check_int(t, "back_end: t", 1)
+        self.check_fits(ws)
+        ws.check_tokens(t, "back_end")
         self.run_steps(gpu, [self._o_proj_step(t, ws)], t, None, ws, stream)
 
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, state: KdaSeqState,
                ws: Glm5NextKdaWorkspace, stream: int) -> None:
         """Single-token decode, carrying both states: front end, stateful row, back end. The
         row's conv fuses SiLU and L2, so q/k reach the recurrent step already normalised."""
-        DevicePtr.check(hidden, "decode: hidden")
+        _check_rows(gpu, hidden, "decode: hidden")
         _check_state(state, "decode")
         self.run_steps(gpu, self.decode_steps(hidden, 1, state, ws), 1, state, ws, stream)
 
@@ -296,7 +351,7 @@ class Glm5NextKdaLayer:
         the state on chip between rows. `snapshots[t] = (h_dst, conv_dst)` receives the state
         after row t; pass k-1 of them or none."""
         k = check_int(k, "decode_k: k", 1, MAX_DECODE_ROWS)
-        DevicePtr.check(hidden, "decode_k: hidden")
+        _check_rows(gpu, hidden, "decode_k: hidden")
         _check_state(state, "decode_k")
         ws.check_tokens(k, "decode_k")
         snapshots = self.check_snapshots(k, snapshots, state, "decode_k:")
@@ -336,12 +391,13 @@ class Glm5NextKdaLayer:
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         self.check_fits(ws, pool=pool, needs_pool=True)
         ws.check_tokens(b * k, what)
-        regions = [(hidden, b * k * self.cfg.hidden_size * BF16.itemsize, "hidden"),
-                   (slots, b * I32.itemsize, "slots")]
+        regions = [(hidden, b * k * self.cfg.hidden_size * BF16.itemsize, BF16, "hidden"),
+                   (slots, b * I32.itemsize, I32, "slots")]
         if snapshot_slots is not None:
-            regions.append((snapshot_slots, b * (k - 1) * I32.itemsize, "snapshot_slots"))
-        for ptr, nbytes, name in regions:
+            regions.append((snapshot_slots, b * (k - 1) * I32.itemsize, I32, "snapshot_slots"))
+        for ptr, nbytes, dtype, name in regions:
             DevicePtr.check(ptr, f"{what}: {name}")
+            gpu.check_itemsize(ptr, dtype, f"{what}: {name}")
             if nbytes:
                 gpu.check_region(ptr, nbytes, f"{what}: {name}")
         if gpu.reads_tables_free:
@@ -500,7 +556,7 @@ class Glm5NextKdaLayer:
         """`prefill` with the padded rows of the stage buffers a stage hook has filled (gate,
         beta, q/k/v_f32) written as `pad_fill`. No kernel reads them, so any fill (NaN, 1e30)
         must leave outputs and state unchanged."""
-        DevicePtr.check(hidden, "prefill: hidden")
+        _check_rows(gpu, hidden, "prefill: hidden")
         _check_state(state, "prefill")
         ws.check_tokens(t, "prefill", " or prefill in windows (kdarun.layer.prefill_windowed)")
         self.run_steps(gpu, self.prefill_steps(hidden, t, state, ws, pad_fill), t, state, ws,
@@ -515,12 +571,13 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
     and `out` must hold t rows (the host backend checks it; on a GPU a pointer's size is not
     known)."""
     t = check_int(t, "prefill_windowed: the token count", 1)
-    DevicePtr.check(hidden, "prefill_windowed: hidden")
-    DevicePtr.check(out, "prefill_windowed: out")
+    _check_rows(gpu, hidden, "prefill_windowed: hidden")
+    _check_rows(gpu, out, "prefill_windowed: out")
     _check_state(state, "prefill_windowed")
     row = layer.cfg.hidden_size * BF16.itemsize
     gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
     gpu.check_region(out, t * row, "prefill_windowed: out")
+    _check_out_apart(out, hidden, t * row, "prefill_windowed")
     for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
         if out < buf + n and buf < out + t * row:
             raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
@@ -589,8 +646,8 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
                  checkpoint_slots: Sequence[Sequence[int]] | None = None) -> Pack:
     """`prefill_packed`'s arguments checked, before anything runs (a tensor parallel group
     checks every rank's so): a KdaError names the first that is wrong."""
-    DevicePtr.check(hidden, "prefill_packed: hidden")
-    DevicePtr.check(out, "prefill_packed: out")
+    _check_rows(gpu, hidden, "prefill_packed: hidden")
+    _check_rows(gpu, out, "prefill_packed: out")
     if not is_host_sequence(slots):  # cu_seqlens' and the flags' checks say so themselves
         raise KdaError(f"prefill_packed: slots must be a host sequence (list, tuple or array), "
                        f"got {slots!r}")
@@ -639,6 +696,7 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     rows = int(bounds[-1]) * layer.cfg.hidden_size * BF16.itemsize  # bytes of hidden and of out
     gpu.check_region(hidden, rows, "prefill_packed: hidden")
     gpu.check_region(out, rows, "prefill_packed: out")
+    _check_out_apart(out, hidden, rows, "prefill_packed")
     for buf, n in ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
                    (pool.conv, pool.slots * pool.conv_nbytes)):
         if out < buf + n and buf < out + rows:

@@ -39,6 +39,7 @@ class KdaStack(DeviceOwner):
             release_bound(gpu, self.layers.values(), self.workspace)
 
     def layer(self, layer_idx: int) -> Glm5NextKdaLayer:
+        layer_idx = check_int(layer_idx, "KdaStack.layer: layer_idx", 0)
         if layer_idx not in self.layers:
             raise KdaError(f"layer {layer_idx} is not loaded; loaded KDA layers (0-based): "
                            f"{sorted(self.layers)}")
@@ -71,9 +72,19 @@ def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
     ckpt.config.check_tp(tp_rank, tp_size)
     cfg = ckpt.config.shard(tp_size)
     max_tokens = check_int(max_tokens, "load_stack: max_tokens", 1)
-    wanted = list(cfg.kda_layers if layers is None else layers)
+    if layers is not None and (isinstance(layers, (str, bytes))
+                               or not isinstance(layers, Iterable)):
+        raise KdaError(f"load_stack: layers must be 0-based layer indices (a list, tuple, "
+                       f"range or array), or None for every KDA layer; got {layers!r}")
+    wanted = [check_int(i, "load_stack: a layer index")
+              for i in (cfg.kda_layers if layers is None else layers)]
+    if not wanted:
+        raise KdaError("load_stack: layers is empty; name at least one layer, or pass None "
+                       "for every KDA layer")
+    if len(set(wanted)) != len(wanted):
+        raise KdaError(f"load_stack: layers names a layer more than once: {wanted}")
     for i in wanted:
-        if check_int(i, "load_stack: a layer index") not in cfg.kda_layers:
+        if i not in cfg.kda_layers:
             raise KdaError(f"layer {i} is not a KDA layer of {path} "
                            f"(0-based KDA layers: {list(cfg.kda_layers)})")
     gpu.check_free_memory(stack_nbytes(cfg, max_tokens, len(wanted)),

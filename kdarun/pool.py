@@ -121,9 +121,13 @@ class KdaStatePool(DeviceOwner):
         self._require_live(what)
         b = check_int(b, f"{what}: b", 1)
         k = check_int(k, f"{what}: k", 1)
-        DevicePtr.check(slots, f"{what}: slots")
-        if snapshot_slots is not None:
-            DevicePtr.check(snapshot_slots, f"{what}: snapshot_slots")
+        for ptr, n, name in ((slots, b, "slots"), (snapshot_slots, b * (k - 1), "snapshot_slots")):
+            if ptr is None:
+                continue
+            DevicePtr.check(ptr, f"{what}: {name}")
+            self._gpu.check_itemsize(ptr, np.int32, f"{what}: {name}")
+            if n:
+                self._gpu.check_region(ptr, 4 * n, f"{what}: {name} (int32 [{n}])")
         table = self._gpu.download(slots, (b,), np.int32, stream)
         snaps = (self._gpu.download(snapshot_slots, (b, k - 1), np.int32, stream)
                  if snapshot_slots is not None and k > 1 else None)

@@ -47,6 +47,7 @@ class Glm5NextKdaWeights(DeviceOwner):
     o_norm: DevicePtr  # [D] fp32
     o_proj: DevicePtr  # [hidden, qkv] bf16
     nbytes: int  # total device bytes (what one decode reads)
+    cfg: Glm5NextKdaConfig  # the config whose shapes (device_layout) these are
 
     @classmethod
     def upload(cls, gpu: GpuBackend, cfg: Glm5NextKdaConfig, tensors: dict[str, np.ndarray],
@@ -76,7 +77,7 @@ class Glm5NextKdaWeights(DeviceOwner):
                                f"given, expected {list(shape)} for this config")
         gpu.check_free_memory(weights_nbytes(cfg), "a layer's weights")
         ptrs = {k: gpu.upload(v, stream) for k, v in host.items()}
-        return cls(**ptrs, nbytes=sum(v.nbytes for v in host.values()))
+        return cls(**ptrs, nbytes=sum(v.nbytes for v in host.values()), cfg=cfg)
 
     def free(self, gpu: GpuBackend) -> None:
         """Give back every device tensor; the weights refuse every use from then on."""

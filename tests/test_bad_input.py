@@ -1259,3 +1259,132 @@ def test_single_sequence_calls_check_their_buffers_before_the_state_moves(bound)
             call()
         for x, y in zip(before, state.download()):
             assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), pattern
+
+
+def test_uploads_of_another_element_size_are_refused_before_the_state_moves(bound):
+    """An int64 slot table (NumPy's default integer) read as int32 would name slot 0 in every
+    other entry, and float32 rows read as bf16 are other numbers: where a pointer is an
+    upload's, the call refuses elements of another size, the pool and state untouched. Same-
+    size views (bf16 bits as uint16) pass, and a copy_h2d over an upload re-tags it."""
+    gpu, stack, state = bound
+    layer, ws, cfg = stack.layer(0), stack.workspace, stack.cfg
+    pool = KdaStatePool(gpu, cfg, 6)
+    pool.upload(4, *(np.full(a.shape, 0.5, a.dtype) for a in pool.download(4)))
+    before = [pool.download(s) for s in range(6)]
+    h2 = gpu.upload(random_hidden(2, cfg.hidden_size, 3))
+    wide = gpu.upload(np.array([3, 5]))  # int64
+    for call, pattern in [
+        (lambda: layer.decode_batch(gpu, h2, 2, wide, pool, ws, 0),
+         r"decode_batch: slots: the kernels read int32 \(4-byte\) elements there, but "
+         r"DevicePtr\(0x[0-9a-f]+\) was uploaded from a int64 array"),
+        (lambda: layer.verify_batch(gpu, h2, 1, 2, gpu.upload(np.array([1], np.int32)), pool, ws,
+                                    gpu.upload(np.array([[2]], np.int64)), 0),
+         "verify_batch: snapshot_slots: the kernels read int32"),
+        (lambda: pool.check_tables(wide, 2), "check_tables: slots: the kernels read int32"),
+        (lambda: layer.decode_batch(gpu, gpu.upload(random_hidden(2, cfg.hidden_size, 3)
+                                                    .astype(np.float32)), 2,
+                                    gpu.upload(np.array([3, 5], np.int32)), pool, ws, 0),
+         "decode_batch: hidden: the kernels read bfloat16 \\(2-byte\\) elements there, but .* "
+         "float32"),
+        (lambda: layer.decode(gpu, gpu.upload(np.zeros((1, cfg.hidden_size), np.float32)),
+                              state, ws, 0), "decode: hidden: .* float32 array"),
+        (lambda: layer.prefill(gpu, gpu.upload(np.zeros((4, cfg.hidden_size), np.float64)), 4,
+                               state, ws, 0), "prefill: hidden: .* float64 array"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+        for s in range(6):
+            assert all(np.array_equal(x, y) for x, y in zip(before[s], pool.download(s)))
+    bits = gpu.upload(random_hidden(2, cfg.hidden_size, 3).view(np.uint16))
+    retagged = gpu.upload(np.zeros(2, np.int64))  # 16 bytes: four int32 entries, two used
+    gpu.copy_h2d(retagged, np.array([3, 5, -1, -1], np.int32), 0)
+    layer.decode_batch(gpu, bits, 2, retagged, pool, ws, 0)
+    assert not np.array_equal(before[3][0], pool.download(3)[0])
+
+
+def test_seed_pieces_and_stack_lookups_check_their_arguments(bound):
+    """front_end / stateful_row / back_end (the seed API's pieces) refuse counts that are not
+    integers or past the workspace (on a GPU they would run past its buffers), a missing
+    state; a stack's and a checkpoint's layer lookups take integers only; a layer refuses
+    weights of another config and a stage hook that cannot be called."""
+    from kdarun.checkpoint import Checkpoint
+    from kdarun.kernels import Glm5NextKdaKernels
+    from kdarun.layer import Glm5NextKdaLayer
+    gpu, stack, state = bound
+    layer, ws, cfg = stack.layer(0), stack.workspace, stack.cfg
+    h = gpu.upload(random_hidden(16, cfg.hidden_size, 1))
+    half = cfg.shard(2)
+    for call, pattern in [
+        (lambda: layer.front_end(gpu, h, 2.5, ws, 0), "front_end: t must be a positive integer"),
+        (lambda: layer.front_end(gpu, h, 17, ws, 0),
+         "front_end: 17 tokens exceed the workspace's max_tokens 16"),
+        (lambda: layer.front_end(gpu, None, 1, ws, 0), "front_end: hidden must be a device"),
+        (lambda: layer.stateful_row(gpu, -1, state, ws, 0),
+         "stateful_row: row must be a non-negative integer, got -1"),
+        (lambda: layer.stateful_row(gpu, 16, state, ws, 0),
+         r"stateful_row: row \+ 1: 17 tokens exceed the workspace's max_tokens 16"),
+        (lambda: layer.stateful_row(gpu, 0, None, ws, 0),
+         "stateful_row: the state must be a KdaSeqState"),
+        (lambda: layer.back_end(gpu, 1.5, ws, 0), "back_end: t must be a positive integer"),
+        (lambda: layer.back_end(gpu, 40, ws, 0), "back_end: 40 tokens exceed"),
+        (lambda: stack.layer(True), "KdaStack.layer: layer_idx must be a non-negative integer"),
+        (lambda: stack.layer(0.0), "got 0.0"),
+        (lambda: Checkpoint(None), "checkpoint: the path must be a str or pathlib.Path"),
+        (lambda: stack.checkpoint.layer_tensors(True), "layer_idx must be a non-negative "
+                                                       "integer, got True"),
+        (lambda: Glm5NextKdaLayer(0, half, layer.weights, Glm5NextKdaKernels(gpu, half)),
+         "layer 0: the weights were uploaded for a config of num_heads 4, not 2"),
+        (lambda: Glm5NextKdaLayer(0, cfg, {}, layer.kernels),
+         "the weights must be a Glm5NextKdaWeights, got dict"),
+        (lambda: setattr(layer, "stage_hook", 5), "stage_hook must be callable"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+    assert layer.stage_hook is None
+
+
+def test_snapshots_apart_and_out_in_place_or_apart(bound):
+    """decode_k's snapshot targets may not overlap each other (one row's state would be
+    lost), and prefill_windowed's / prefill_packed's out is hidden itself or apart from it (a
+    window's output would overwrite rows a later window reads); in place gives what a
+    separate out gives."""
+    from kdarun.layer import prefill_packed, prefill_windowed
+    gpu, stack, state = bound
+    layer, ws, cfg = stack.layer(0), stack.workspace, stack.cfg
+    a, c = KdaSeqState(gpu, cfg), KdaSeqState(gpu, cfg)
+    h3 = gpu.upload(random_hidden(3, cfg.hidden_size, 2))
+    row = cfg.hidden_size * 2
+    rows = random_hidden(40, cfg.hidden_size, 5)
+    big = gpu.upload(np.concatenate([rows, rows[:1]]))  # room for out one row on
+    pool = KdaStatePool(gpu, cfg, 4)
+    before = state.download()
+    for call, pattern in [
+        (lambda: layer.decode_k(gpu, h3, 3, state, ws, [(a.recurrent, a.conv)] * 2, 0),
+         "decode_k: snapshot 1 .* overlaps snapshot 0's"),
+        (lambda: layer.decode_k(gpu, h3, 2, state, ws, [(c.recurrent, c.recurrent)], 0),
+         "decode_k: snapshot 0 .* overlaps its own recurrent target"),
+        (lambda: prefill_windowed(layer, gpu, big, 40, state, ws, big + row, 0),
+         "prefill_windowed: out .* overlaps hidden .* without being it"),
+        (lambda: prefill_packed(layer, gpu, big, [0, 20, 40], [0, 1], [False, False], pool, ws,
+                                big + row, 0), "prefill_packed: out .* overlaps hidden"),
+    ]:
+        with pytest.raises(KdaError, match=pattern):
+            call()
+        assert all(np.array_equal(x, y) for x, y in zip(before, state.download()))
+    apart = gpu.alloc(40 * row)
+    prefill_windowed(layer, gpu, big, 40, state, ws, apart, 0)
+    expected = gpu.download(apart, (40, cfg.hidden_size), BF16)
+    state.upload(*before)
+    prefill_windowed(layer, gpu, big, 40, state, ws, big, 0)  # in place
+    assert np.array_equal(gpu.download(big, (40, cfg.hidden_size), BF16).view(np.uint16),
+                          expected.view(np.uint16))
+
+
+def test_layer_run_says_which_input_rows_it_takes(made, tmp_path):
+    """An --input longer than the run: the rows it takes are printed, not silently cut."""
+    np.save(tmp_path / "h.npy", random_hidden(100, 256, 0).astype(np.float32))
+    r = invoke("layer-run", made["single"], "--input", tmp_path / "h.npy", *RUN)
+    assert r.exit_code == 0, r.output
+    assert re.search(r"input\s+.*h\.npy: rows 0-4 of its 100", r.output), r.output
+    r = invoke("layer-run", made["single"], *RUN, "--json")
+    assert json.loads(r.output)["input"] == "random (seed 0)"
