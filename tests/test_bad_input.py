@@ -1034,6 +1034,11 @@ def test_load_stack_refuses_bad_arguments_before_allocating(made):
     for kw, pattern in (({"max_tokens": 0}, "max_tokens must be a positive integer"),
                         ({"max_tokens": 8, "layers": [3]}, "layer 3 is not a KDA layer"),
                         ({"max_tokens": 8, "layers": [True]}, "layer index must be an integer"),
+                        ({"max_tokens": 8, "layers": 0}, "layers must be 0-based layer indices"),
+                        ({"max_tokens": 8, "layers": "0"}, "layers must be 0-based layer indices"),
+                        ({"max_tokens": 8, "layers": []}, "layers is empty"),
+                        ({"max_tokens": 8, "layers": [0, 1, 0]},
+                         r"layers names a layer more than once: \[0, 1, 0\]"),
                         ({"max_tokens": 8, "tp_size": 3}, "num_heads 4 is not divisible by "
                                                           "tp_size 3"),
                         ({"max_tokens": 8, "tp_rank": 2, "tp_size": 2},
@@ -1281,6 +1286,8 @@ def test_uploads_of_another_element_size_are_refused_before_the_state_moves(boun
                                     gpu.upload(np.array([[2]], np.int64)), 0),
          "verify_batch: snapshot_slots: the kernels read int32"),
         (lambda: pool.check_tables(wide, 2), "check_tables: slots: the kernels read int32"),
+        (lambda: pool.check_tables(gpu.upload(np.array([1], np.int32)), 2),
+         r"check_tables: slots \(int32 \[2\]\): access of 8 bytes .* runs past its allocation"),
         (lambda: layer.decode_batch(gpu, gpu.upload(random_hidden(2, cfg.hidden_size, 3)
                                                     .astype(np.float32)), 2,
                                     gpu.upload(np.array([3, 5], np.int32)), pool, ws, 0),
