@@ -54,6 +54,11 @@ class DevicePtr(int):
             raise KdaError(f"{what} must be a device pointer (DevicePtr), got {ptr!r}")
 
 
+def overlaps(a: DevicePtr, n: int, b: DevicePtr, m: int) -> bool:
+    """Whether the n bytes at a and the m bytes at b share a byte."""
+    return a < b + m and b < a + n
+
+
 class DeviceOwner:
     """An object that owns device memory and gives it back with `free()`. Once freed, reading
     any of its attributes named in `_DEVICE_ATTRS` and freeing it again raise KdaError: its
@@ -299,9 +304,11 @@ class GpuBackend(abc.ABC):
         slot table read as int32 names a slot in every other entry, float32 rows read as
         bf16 are other numbers. Any other pointer (an offset into an allocation, memory of
         another library's) is not known and passes."""
-        got = self._uploads().get(int(ptr))
+        got = self._uploads().get(int(ptr))  # decode's every call: one lookup, no more
+        if got is None:
+            return
         want = np.dtype(dtype)
-        if got is not None and got.itemsize != want.itemsize:
+        if got.itemsize != want.itemsize:
             raise KdaError(f"{what}: the kernels read {want.name} ({want.itemsize}-byte) "
                            f"elements there, but {ptr!r} was uploaded from a {got.name} array "
                            f"({got.itemsize}-byte elements); convert it with "

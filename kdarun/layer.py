@@ -18,9 +18,9 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .backend import DevicePtr, GpuBackend
+from .backend import DevicePtr, GpuBackend, overlaps
 from .config import BUFFER_FIELDS, CHUNK, MAX_DECODE_ROWS, STATE_FIELDS, Glm5NextKdaConfig
-from .dtypes import BF16, F32, I32
+from .dtypes import BF16, F32
 from .errors import KdaError, check_flags, check_int, check_ints, is_host_sequence
 from .kernels import Glm5NextKdaKernels, SegmentTable, segment_table
 from .pool import KdaStatePool
@@ -96,7 +96,7 @@ def _check_rows(gpu: GpuBackend, ptr: DevicePtr, what: str) -> None:
 def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int, what: str) -> None:
     """`out` is `hidden` itself (in place) or lies apart from its nbytes: a window's rows
     copied to an out that starts inside hidden would overwrite rows a later window reads."""
-    if out != hidden and out < hidden + nbytes and hidden < out + nbytes:
+    if out != hidden and overlaps(out, nbytes, hidden, nbytes):
         raise KdaError(f"{what}: out {out!r} overlaps hidden {hidden!r} ({nbytes} bytes each) "
                        f"without being it: a window's output would overwrite input rows a "
                        f"later window reads; pass hidden itself (in place) or a buffer apart")
@@ -204,11 +204,11 @@ class Glm5NextKdaLayer:
                                f"pointers, got {pair!r}")
             for p, n in zip(pair, (state.recurrent_nbytes, state.conv_nbytes)):
                 self.kernels.gpu.check_region(p, n, f"{what} snapshot {i}")
-                if any(p < a + m and a < p + n for a, m in own):
+                if any(overlaps(p, n, a, m) for a, m in own):
                     raise KdaError(f"{what} snapshot {i} ({p!r}) lies in the state's own "
                                    f"buffers, which the last row writes")
                 for a, m, j in taken:
-                    if p < a + m and a < p + n:
+                    if overlaps(p, n, a, m):
                         whose = "its own recurrent target" if j == i else f"snapshot {j}'s"
                         raise KdaError(f"{what} snapshot {i} ({p!r}, {n} bytes) overlaps "
                                        f"{whose} ({a!r}, {m} bytes): one state would "
@@ -391,17 +391,12 @@ class Glm5NextKdaLayer:
         k = check_int(k, f"{what}: k", 1, MAX_DECODE_ROWS)
         self.check_fits(ws, pool=pool, needs_pool=True)
         ws.check_tokens(b * k, what)
-        regions = [(hidden, b * k * self.cfg.hidden_size * BF16.itemsize, BF16, "hidden"),
-                   (slots, b * I32.itemsize, I32, "slots")]
-        if snapshot_slots is not None:
-            regions.append((snapshot_slots, b * (k - 1) * I32.itemsize, I32, "snapshot_slots"))
-        for ptr, nbytes, dtype, name in regions:
-            DevicePtr.check(ptr, f"{what}: {name}")
-            gpu.check_itemsize(ptr, dtype, f"{what}: {name}")
-            if nbytes:
-                gpu.check_region(ptr, nbytes, f"{what}: {name}")
-        if gpu.reads_tables_free:
+        _check_rows(gpu, hidden, f"{what}: hidden")
+        gpu.check_region(hidden, b * k * self.cfg.hidden_size * BF16.itemsize, f"{what}: hidden")
+        if gpu.reads_tables_free:  # the pointers, then the entries
             pool.check_tables(slots, b, snapshot_slots, k, what=what)
+        else:
+            pool.check_table_pointers(slots, b, snapshot_slots, k, what)
 
     def decode_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, slots: DevicePtr,
                      pool: KdaStatePool, ws: Glm5NextKdaWorkspace, stream: int) -> None:
@@ -579,7 +574,7 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
     gpu.check_region(out, t * row, "prefill_windowed: out")
     _check_out_apart(out, hidden, t * row, "prefill_windowed")
     for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
-        if out < buf + n and buf < out + t * row:
+        if overlaps(out, t * row, buf, n):
             raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
     for start in range(0, t, ws.max_tokens()):
         n = min(ws.max_tokens(), t - start)
@@ -699,7 +694,7 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     _check_out_apart(out, hidden, rows, "prefill_packed")
     for buf, n in ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
                    (pool.conv, pool.slots * pool.conv_nbytes)):
-        if out < buf + n and buf < out + rows:
+        if overlaps(out, rows, buf, n):
             raise KdaError(f"prefill_packed: out {out!r} overlaps the state pool's slots")
     return Pack(bounds, init, length, np.asarray(slots, np.int64), checkpoint_every,
                 np.asarray(flat, np.int64) if checkpoint_every else None)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import Glm5NextKdaConfig, check_config
-from .dtypes import BF16, F32
+from .dtypes import BF16, F32, I32
 from .errors import KdaError, check_int, check_slot_tables, int_array
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
@@ -121,17 +121,24 @@ class KdaStatePool(DeviceOwner):
         self._require_live(what)
         b = check_int(b, f"{what}: b", 1)
         k = check_int(k, f"{what}: k", 1)
-        for ptr, n, name in ((slots, b, "slots"), (snapshot_slots, b * (k - 1), "snapshot_slots")):
-            if ptr is None:
-                continue
-            DevicePtr.check(ptr, f"{what}: {name}")
-            self._gpu.check_itemsize(ptr, np.int32, f"{what}: {name}")
-            if n:
-                self._gpu.check_region(ptr, 4 * n, f"{what}: {name} (int32 [{n}])")
+        self.check_table_pointers(slots, b, snapshot_slots, k, what)
         table = self._gpu.download(slots, (b,), np.int32, stream)
         snaps = (self._gpu.download(snapshot_slots, (b, k - 1), np.int32, stream)
                  if snapshot_slots is not None and k > 1 else None)
         check_slot_tables(what, table, snaps, self.slots)
+
+    def check_table_pointers(self, slots: DevicePtr, b: int, snapshot_slots: DevicePtr | None,
+                             k: int, what: str) -> None:
+        """What a batched call's tables are short of reading them: device pointers, not uploads
+        of elements other than int32 (`GpuBackend.check_itemsize`), and slots [b] and
+        snapshot_slots [b, k-1] inside their allocations where the backend knows them."""
+        for ptr, n, name in ((slots, b, "slots"), (snapshot_slots, b * (k - 1), "snapshot_slots")):
+            if ptr is None and name == "snapshot_slots":  # optional; slots is not
+                continue
+            DevicePtr.check(ptr, f"{what}: {name}")
+            self._gpu.check_itemsize(ptr, I32, f"{what}: {name}")
+            if n:
+                self._gpu.check_region(ptr, n * I32.itemsize, f"{what}: {name}")
 
     def zero(self, slots: Iterable[int], stream: int = 0) -> None:
         """Zero the states of `slots` (a sequence of slots): new sequences start from there.

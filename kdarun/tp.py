@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .backend import DeviceOwner, DevicePtr, GpuBackend
+from .backend import DeviceOwner, DevicePtr, GpuBackend, overlaps
 from .dtypes import BF16, F32
 from .errors import KdaError, check_int
 from .layer import Glm5NextKdaLayer, check_packed, prefill_windowed, run_pack
@@ -186,7 +186,7 @@ class TpGroup(DeviceOwner):
         written += [(f"rank {i}'s final_out", ws.final_out, min(rows, ws.max_tokens()))
                     for i, (_, ws) in enumerate(self.ranks[:-1])]
         for name, buf, n in written:
-            if hidden < buf + n * row and buf < hidden + rows * row:
+            if overlaps(hidden, rows * row, buf, n * row):
                 raise KdaError(f"tp group {what}: hidden {hidden!r} overlaps {name}, which a "
                                "rank writes before the next rank reads hidden (the ranks run "
                                "in turn here); give hidden a buffer of its own")
