@@ -32,6 +32,7 @@ class KdaStatePool(DeviceOwner):
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, slots: int, stream: int = 0):
         self.cfg = check_config(cfg, "state pool")
         self.slots, self._gpu = check_int(slots, "state pool: slots", 1), gpu
+        self.tp_rank: int | None = None  # as KdaSeqState.tp_rank: the rank whose heads it holds
         self.recurrent_nbytes = math.prod(recurrent_shape(cfg)) * F32.itemsize
         self.conv_nbytes = math.prod(conv_shape(cfg)) * BF16.itemsize
         gpu.check_free_memory(self.slots * (self.recurrent_nbytes + self.conv_nbytes),

@@ -42,6 +42,9 @@ class KdaSeqState(DeviceOwner):
     def __init__(self, gpu: GpuBackend, cfg: Glm5NextKdaConfig, stream: int = 0):
         self.cfg = check_config(cfg, "KdaSeqState")
         self._gpu = gpu
+        # the tensor parallel rank whose heads it holds: set by the first TpGroup call that
+        # takes it, which refuses it for another rank after; None until then (or to reuse it)
+        self.tp_rank: int | None = None
         self.recurrent = gpu.alloc(self.recurrent_nbytes)
         self.conv = gpu.alloc(self.conv_nbytes)
         gpu.memset(self.recurrent, 0, self.recurrent_nbytes, stream)

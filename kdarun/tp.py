@@ -150,7 +150,18 @@ class TpGroup(DeviceOwner):
         if len(set(owned)) != len(owned):
             raise KdaError(f"tp group {what}: the same object is given for two ranks; each "
                            f"rank's is its own")
+        for i, x in enumerate(items):
+            rank = self._rank(i)
+            if isinstance(x, (KdaSeqState, KdaStatePool)) and x.tp_rank not in (None, rank):
+                raise KdaError(f"tp group {what}: the one given for rank {rank} holds rank "
+                               f"{x.tp_rank}'s heads (an earlier call took it as rank "
+                               f"{x.tp_rank}'s); pass them in rank order, or set its tp_rank "
+                               f"to None once it holds rank {rank}'s state")
         return items
+
+    def _rank(self, i: int) -> int:
+        """The rank of the i-th held rank: i in turn, the process's own with NCCL."""
+        return self.comm.rank if self.comm is not None else i
 
     def _check_ranks(self, what: str, rows: int, states: Sequence[Any] | None = None,
                      pools: Sequence[Any] | None = None, windows: bool = False) -> int:
@@ -192,15 +203,20 @@ class TpGroup(DeviceOwner):
                                "in turn here); give hidden a buffer of its own")
 
     def _summed(self, what: str, hidden: DevicePtr, rows: int,
+                owned: Sequence[KdaSeqState | KdaStatePool],
                 call: Callable[[int, Glm5NextKdaLayer, Glm5NextKdaWorkspace], None],
                 stream: int, out: DevicePtr | None = None) -> None:
         """Run each held rank (`call(i, layer, ws)` enqueues rank i's call, whose partial
         [rows, hidden] bf16 lands in its ws.final_out, or in `out`), then make every partial
         the group's sum: fp32 adds in rank order, each right after its rank ran (ranks may
         share `out`), the all-reduce where the other ranks are other processes, one
-        rounding. `hidden` is checked against what the ranks write first (`_hidden_apart`)."""
+        rounding. `hidden` is checked against what the ranks write first (`_hidden_apart`);
+        then each of `owned` (the call's states or pools, a rank each, checked by
+        `_check_per_rank`) is marked as its rank's (`tp_rank`)."""
         self._require_live("a call")
         self._hidden_apart(what, hidden, rows, out)
+        for i, x in enumerate(owned):
+            x.tp_rank = self._rank(i)
         if self.tp_size == 1:
             call(0, *self.ranks[0])
             return
@@ -224,7 +240,7 @@ class TpGroup(DeviceOwner):
         """`Glm5NextKdaLayer.prefill` of every held rank, then the sum."""
         states = self._check_per_rank("prefill: states", states)
         t = self._check_ranks("prefill", t, states)
-        self._summed("prefill", hidden, t, lambda i, layer, ws: layer.prefill(
+        self._summed("prefill", hidden, t, states, lambda i, layer, ws: layer.prefill(
             gpu, hidden, t, states[i], ws, stream), stream)
 
     def prefill_windowed(self, gpu: GpuBackend, hidden: DevicePtr, t: int,
@@ -233,15 +249,16 @@ class TpGroup(DeviceOwner):
         `max_rows`), then the sum."""
         states = self._check_per_rank("prefill_windowed: states", states)
         t = self._check_ranks("prefill_windowed", t, states, windows=True)
-        self._summed("prefill_windowed", hidden, t, lambda i, layer, ws: prefill_windowed(
-            layer, gpu, hidden, t, states[i], ws, out, stream), stream, out)
+        self._summed("prefill_windowed", hidden, t, states,
+                     lambda i, layer, ws: prefill_windowed(layer, gpu, hidden, t, states[i], ws,
+                                                           out, stream), stream, out)
 
     def decode(self, gpu: GpuBackend, hidden: DevicePtr, states: Sequence[KdaSeqState],
                stream: int) -> None:
         """`Glm5NextKdaLayer.decode` of every held rank, then the sum."""
         states = self._check_per_rank("decode: states", states)
         self._check_ranks("decode", 1, states)
-        self._summed("decode", hidden, 1, lambda i, layer, ws: layer.decode(
+        self._summed("decode", hidden, 1, states, lambda i, layer, ws: layer.decode(
             gpu, hidden, states[i], ws, stream), stream)
 
     def decode_k(self, gpu: GpuBackend, hidden: DevicePtr, k: int,
@@ -257,7 +274,7 @@ class TpGroup(DeviceOwner):
         k = self._check_ranks("decode_k", k, states)
         for i, (layer, _) in enumerate(self.ranks):
             layer.check_snapshots(k, snaps[i], states[i], f"tp group decode_k: rank {i}'s")
-        self._summed("decode_k", hidden, k, lambda i, layer, ws: layer.decode_k(
+        self._summed("decode_k", hidden, k, states, lambda i, layer, ws: layer.decode_k(
             gpu, hidden, k, states[i], ws, snaps[i], stream), stream)
 
     def decode_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, slots: DevicePtr,
@@ -268,8 +285,9 @@ class TpGroup(DeviceOwner):
         b = self._check_ranks("decode_batch", b, pools=pools)
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group decode_batch", hidden, b, 1, slots, pools[i], ws)
-        self._summed("decode_batch", hidden, b, lambda i, layer, ws: layer.decode_batch(
-            gpu, hidden, b, slots, pools[i], ws, stream), stream)
+        self._summed("decode_batch", hidden, b, pools,
+                     lambda i, layer, ws: layer.decode_batch(gpu, hidden, b, slots, pools[i], ws,
+                                                             stream), stream)
 
     def verify_batch(self, gpu: GpuBackend, hidden: DevicePtr, b: int, k: int,
                      slots: DevicePtr, pools: Sequence[KdaStatePool],
@@ -279,8 +297,9 @@ class TpGroup(DeviceOwner):
         for i, (layer, ws) in enumerate(self.ranks):
             layer.check_batch(gpu, "tp group verify_batch", hidden, b, k, slots, pools[i], ws,
                               snapshot_slots)
-        self._summed("verify_batch", hidden, b * k, lambda i, layer, ws: layer.verify_batch(
-            gpu, hidden, b, k, slots, pools[i], ws, snapshot_slots, stream), stream)
+        self._summed("verify_batch", hidden, b * k, pools,
+                     lambda i, layer, ws: layer.verify_batch(gpu, hidden, b, k, slots, pools[i],
+                                                             ws, snapshot_slots, stream), stream)
 
     def prefill_packed(self, gpu: GpuBackend, hidden: DevicePtr, cu_seqlens: Sequence[int],
                        slots: Sequence[int], has_initial_state: Sequence[bool],
@@ -300,7 +319,7 @@ class TpGroup(DeviceOwner):
             except KdaError as e:
                 raise KdaError(f"tp group rank {i}: {e}") from None
         rows = int(packs[0].bounds[-1])
-        self._summed("prefill_packed", hidden, rows, lambda i, layer, ws: run_pack(
+        self._summed("prefill_packed", hidden, rows, pools, lambda i, layer, ws: run_pack(
             layer, gpu, hidden, packs[i], pools[i], ws, out, stream), stream, out)
 
 

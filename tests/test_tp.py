@@ -393,6 +393,39 @@ def test_a_group_checks_every_rank_before_any_runs(host, ckpts, tmp_path):
         TpGroup.of(host, [stacks[0], foreign], 1)
 
 
+def test_a_group_refuses_a_rank_s_state_for_another_rank(host, ckpts):
+    """Every rank's state has the same shapes, so states passed in another rank order would run
+    each rank on another rank's heads: a call marks each state and pool with its rank
+    (`tp_rank`), and a later call that passes it for another rank is refused before any rank
+    runs. A refused call marks nothing; setting tp_rank to None lets a state be reused."""
+    stacks = [load_stack(host, ckpts["bounded"], 16, [1], tp_rank=r, tp_size=2) for r in range(2)]
+    group = TpGroup.of(host, stacks, 1)
+    h = host.upload(random_hidden(4, 256, 21))
+    states = [KdaSeqState(host, s.cfg) for s in stacks]
+    with pytest.raises(KdaError, match="40 tokens exceed the workspace"):
+        group.prefill(host, h, 40, states, 0)
+    assert [s.tp_rank for s in states] == [None, None]  # refused: not marked
+    group.prefill(host, h, 4, states, 0)
+    assert [s.tp_rank for s in states] == [0, 1]
+    before = [s.download() for s in states]
+    with pytest.raises(KdaError, match="decode: states: the one given for rank 0 holds rank "
+                                       "1's heads"):
+        group.decode(host, h, states[::-1], 0)
+    for s, b in zip(states, before):
+        assert all(np.array_equal(bits(x), bits(y)) for x, y in zip(s.download(), b))
+    group.decode(host, h, states, 0)  # in order: still taken
+    states[0].tp_rank = states[1].tp_rank = None  # reused: the caller says so
+    group.decode(host, h, states[::-1], 0)
+    assert [s.tp_rank for s in states] == [1, 0]
+    pools = [KdaStatePool(host, s.cfg, 2) for s in stacks]
+    slots = host.upload(np.array([1], np.int32))
+    group.decode_batch(host, h, 1, slots, pools, 0)
+    assert [p.tp_rank for p in pools] == [0, 1]
+    with pytest.raises(KdaError, match="decode_batch: pools: the one given for rank 0 holds "
+                                       "rank 1's heads"):
+        group.decode_batch(host, h, 1, slots, pools[::-1], 0)
+
+
 def test_a_group_refuses_hidden_a_rank_overwrites_and_checks_every_ranks_pack(host, ckpts):
     """The ranks run in turn, so hidden inside `out` or inside a rank's final_out (the group's
     own, as when layers are chained) would reach the next rank as the first rank's partial:
