@@ -300,24 +300,27 @@ class GpuBackend(abc.ABC):
 
     def check_itemsize(self, ptr: DevicePtr, dtype: Any, what: str) -> None:
         """A KdaError naming `what` where ptr is the address `upload` returned for an array
-        whose elements are not the size of `dtype`'s, which the kernels read there: an int64
-        slot table read as int32 names a slot in every other entry, float32 rows read as
-        bf16 are other numbers. Any other pointer (an offset into an allocation, memory of
-        another library's) is not known and passes."""
+        whose elements are not the size of `dtype`'s, which the kernels read there, or are
+        floats of another type: an int64 slot table read as int32 names a slot in every
+        other entry, float32 or float16 rows read as bf16 are other numbers. A same-size
+        view of the bits (bf16 as uint16) passes, and so does any other pointer (an offset
+        into an allocation, memory of another library's), which is not known."""
         got = self._uploads().get(int(ptr))  # decode's every call: one lookup, no more
-        if got is None:
+        if got is None or got == dtype:
             return
         want = np.dtype(dtype)
-        if got.itemsize != want.itemsize:
+        if got.itemsize != want.itemsize or "f" in (got.kind, want.kind):
             raise KdaError(f"{what}: the kernels read {want.name} ({want.itemsize}-byte) "
                            f"elements there, but {ptr!r} was uploaded from a {got.name} array "
                            f"({got.itemsize}-byte elements); convert it with "
-                           f".astype() before the upload")
+                           f".astype({want.name}) before the upload")
 
     def download(self, ptr: DevicePtr, shape: tuple[int, ...], dtype: Any,
                  stream: int = 0) -> np.ndarray:
         """Copy `shape` elements of `dtype` at `ptr` to a new host array (synchronises)."""
-        out = np.empty(shape, dtype=dtype)
+        dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+        out = np.empty(tuple(check_int(n, "download: a dimension of the shape", 0)
+                             for n in dims), dtype=dtype)
         self.copy_d2h(out, ptr, stream)
         self.synchronize(stream)
         return out

@@ -112,7 +112,8 @@ class CupyBackend(GpuBackend):
         self._uploads().pop(int(ptr), None)
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None:
-        cp.cuda.runtime.memsetAsync(int(ptr), byte, nbytes, int(stream))
+        cp.cuda.runtime.memsetAsync(int(ptr), check_int(byte, "memset: byte", 0, 255), nbytes,
+                                    int(stream))
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
         src = np.ascontiguousarray(src)

@@ -56,6 +56,7 @@ class HostBackend(GpuBackend):
     # -- memory --------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DevicePtr:
         nbytes = check_int(nbytes, "alloc: nbytes", 1)
+        self.check_free_memory(nbytes, "alloc")
         try:
             owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
         except MemoryError:
@@ -117,7 +118,7 @@ class HostBackend(GpuBackend):
         return self.bytes_at(ptr, n * dt.itemsize).view(dt).reshape(shape)
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int) -> None:
-        self.bytes_at(ptr, nbytes)[:] = byte
+        self.bytes_at(ptr, nbytes)[:] = check_int(byte, "memset: byte", 0, 255)
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray, stream: int) -> None:
         src = np.ascontiguousarray(src)

@@ -11,6 +11,7 @@ the result lands in `ws.final_out` and the state is updated in place. With `stag
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import reprlib
 from dataclasses import dataclass
@@ -93,13 +94,34 @@ def _check_rows(gpu: GpuBackend, ptr: DevicePtr, what: str) -> None:
     gpu.check_itemsize(ptr, BF16, what)
 
 
-def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int, what: str) -> None:
+def _callable_with(fn: object, n: int) -> bool:
+    """Whether fn can be called with n positional arguments (a callable whose signature
+    Python cannot read is taken as able)."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
+
+
+def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int,
+                     ws: Glm5NextKdaWorkspace, what: str) -> None:
     """`out` is `hidden` itself (in place) or lies apart from its nbytes: a window's rows
-    copied to an out that starts inside hidden would overwrite rows a later window reads."""
+    copied to an out that starts inside hidden would overwrite rows a later window reads; and
+    out lies outside the workspace, whose buffers (final_out among them) the next window's
+    kernels write over the rows copied there."""
     if out != hidden and overlaps(out, nbytes, hidden, nbytes):
         raise KdaError(f"{what}: out {out!r} overlaps hidden {hidden!r} ({nbytes} bytes each) "
                        f"without being it: a window's output would overwrite input rows a "
                        f"later window reads; pass hidden itself (in place) or a buffer apart")
+    if name := ws.overlapping(out, nbytes):
+        raise KdaError(f"{what}: out {out!r} overlaps the workspace's {name}, which every "
+                       f"window writes: an earlier window's rows copied there would be "
+                       f"overwritten; pass a buffer of its own")
 
 
 @functools.cache
@@ -142,7 +164,7 @@ class Glm5NextKdaLayer:
 
     @stage_hook.setter
     def stage_hook(self, hook: StageHook | None) -> None:
-        if hook is not None and not callable(hook):
+        if hook is not None and not _callable_with(hook, 3):
             raise KdaError(f"layer {self.layer_idx}: stage_hook must be callable as "
                            f"hook(stage, gpu, stream), or None; got {hook!r}")
         self._stage_hook = hook
@@ -162,7 +184,18 @@ class Glm5NextKdaLayer:
                 for name in step.writes:
                     stage = self._stage(name, step.kernel, t, state, ws, seqs)
                     if stage is not None:
-                        self.stage_hook(stage, gpu, stream)
+                        self._call_hook(stage, gpu, stream, step.name)
+
+    def _call_hook(self, stage: Stage, gpu: GpuBackend, stream: int, step: str) -> None:
+        """The stage hook on one stage; what it raises comes back as a KdaError saying that
+        the call stopped after step `step`, so its states hold a part of it."""
+        try:
+            self.stage_hook(stage, gpu, stream)
+        except Exception as e:
+            raise KdaError(f"layer {self.layer_idx}: the stage hook raised at stage "
+                           f"{stage.name} ({type(e).__name__}: {e}); the call stopped after "
+                           f"its {step} step, so the states it took hold a part of the call "
+                           f"(the steps before): restore them before using them again") from e
 
     def check_fits(self, ws: Glm5NextKdaWorkspace, state: KdaSeqState | None = None,
                    pool: KdaStatePool | None = None, needs_pool: bool = False) -> None:
@@ -569,10 +602,11 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
     _check_rows(gpu, hidden, "prefill_windowed: hidden")
     _check_rows(gpu, out, "prefill_windowed: out")
     _check_state(state, "prefill_windowed")
+    layer.check_fits(ws, state)
     row = layer.cfg.hidden_size * BF16.itemsize
     gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
     gpu.check_region(out, t * row, "prefill_windowed: out")
-    _check_out_apart(out, hidden, t * row, "prefill_windowed")
+    _check_out_apart(out, hidden, t * row, ws, "prefill_windowed")
     for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
         if overlaps(out, t * row, buf, n):
             raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
@@ -691,7 +725,7 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     rows = int(bounds[-1]) * layer.cfg.hidden_size * BF16.itemsize  # bytes of hidden and of out
     gpu.check_region(hidden, rows, "prefill_packed: hidden")
     gpu.check_region(out, rows, "prefill_packed: out")
-    _check_out_apart(out, hidden, rows, "prefill_packed")
+    _check_out_apart(out, hidden, rows, ws, "prefill_packed")
     for buf, n in ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
                    (pool.conv, pool.slots * pool.conv_nbytes)):
         if overlaps(out, rows, buf, n):

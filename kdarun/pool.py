@@ -18,7 +18,7 @@ import numpy as np
 from .backend import DeviceOwner, DevicePtr, GpuBackend
 from .config import Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32
-from .errors import KdaError, check_int, check_slot_tables, int_array
+from .errors import KdaError, check_int, check_slot_tables, int_array, is_host_sequence
 from .state import KdaSeqState, conv_shape, recurrent_shape
 
 
@@ -33,6 +33,7 @@ class KdaStatePool(DeviceOwner):
         self.cfg = check_config(cfg, "state pool")
         self.slots, self._gpu = check_int(slots, "state pool: slots", 1), gpu
         self.tp_rank: int | None = None  # as KdaSeqState.tp_rank: the rank whose heads it holds
+        self._slot_ranks: dict[int, int | None] = {}  # each slot state's tp_rank (`state`)
         self.recurrent_nbytes = math.prod(recurrent_shape(cfg)) * F32.itemsize
         self.conv_nbytes = math.prod(conv_shape(cfg)) * BF16.itemsize
         gpu.check_free_memory(self.slots * (self.recurrent_nbytes + self.conv_nbytes),
@@ -48,6 +49,9 @@ class KdaStatePool(DeviceOwner):
         """Every entry a slot of this pool, an integer in [0, slots), or -1 where `skip`:
         kernels index the pool with them unchecked."""
         self._require_live(what)
+        if not is_host_sequence(slots):
+            raise KdaError(f"{what}: pass the slots as a list or 1-D array of integers, got "
+                           f"{slots!r}")
         low = -1 if skip else 0
         arr = int_array(slots)
         if arr is not None and (not len(arr) or (arr.min() >= low and arr.max() < self.slots)):
@@ -184,6 +188,14 @@ class _SlotState(KdaSeqState):
     @property
     def conv(self) -> DevicePtr:
         return self._pool.conv + self._slot * self._pool.conv_nbytes
+
+    @property
+    def tp_rank(self) -> int | None:  # kept by the pool, a slot's own (slot states are views)
+        return self._pool._slot_ranks.get(self._slot)
+
+    @tp_rank.setter
+    def tp_rank(self, rank: int | None) -> None:
+        self._pool._slot_ranks[self._slot] = rank
 
     def free(self) -> None:
         raise KdaError("a pool slot's state is freed with its pool (KdaStatePool.free)")

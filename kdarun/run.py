@@ -83,8 +83,10 @@ def read_hidden(path: str | Path, hidden: int) -> np.ndarray:
     if arr.ndim != 2 or arr.shape[1] != hidden:
         raise KdaError(f"{path}: hidden states must be [N, {hidden}], got {list(arr.shape)}")
     if arr.dtype != BF16 and not (arr.dtype.kind == "f" and arr.dtype.itemsize <= 8):
+        npy_bf16 = " (a bf16 array saved by numpy.save reads back so: .npy cannot name bf16; " \
+            "save float32, or bf16 in .safetensors)" if arr.dtype == np.dtype("V2") else ""
         raise KdaError(f"{path}: hidden states must be bf16, float16, float32 or float64 (either "
-                       f"byte order), got {arr.dtype}")
+                       f"byte order), got {arr.dtype}{npy_bf16}")
     with np.errstate(over="ignore"):  # values beyond bf16's range become Inf: refused below
         arr = arr.astype(BF16)
     rows = np.flatnonzero(~np.isfinite(arr.astype(np.float32)).all(axis=1))

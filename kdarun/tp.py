@@ -210,19 +210,19 @@ class TpGroup(DeviceOwner):
         [rows, hidden] bf16 lands in its ws.final_out, or in `out`), then make every partial
         the group's sum: fp32 adds in rank order, each right after its rank ran (ranks may
         share `out`), the all-reduce where the other ranks are other processes, one
-        rounding. `hidden` is checked against what the ranks write first (`_hidden_apart`);
-        then each of `owned` (the call's states or pools, a rank each, checked by
+        rounding. `hidden` and the rows are checked first (`_hidden_apart`, `max_rows`); then
+        each of `owned` (the call's states or pools, a rank each, checked by
         `_check_per_rank`) is marked as its rank's (`tp_rank`)."""
         self._require_live("a call")
         self._hidden_apart(what, hidden, rows, out)
-        for i, x in enumerate(owned):
+        if self.tp_size > 1 and rows > self.max_rows:
+            raise KdaError(f"tp group: {rows} rows exceed the sum buffer's {self.max_rows} "
+                           "(max_rows)")
+        for i, x in enumerate(owned):  # checked: the call runs
             x.tp_rank = self._rank(i)
         if self.tp_size == 1:
             call(0, *self.ranks[0])
             return
-        if rows > self.max_rows:
-            raise KdaError(f"tp group: {rows} rows exceed the sum buffer's {self.max_rows} "
-                           "(max_rows)")
         n, kn = rows * self.cfg.hidden_size, self.kernels
         partials: list[DevicePtr] = []
         for i, (layer, ws) in enumerate(self.ranks):

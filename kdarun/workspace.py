@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .backend import DeviceOwner, DevicePtr, GpuBackend
+from .backend import DeviceOwner, DevicePtr, GpuBackend, overlaps
 from .config import CHUNK, MAX_DECODE_ROWS, SEG_FIELDS, Glm5NextKdaConfig, check_config
 from .dtypes import BF16, F32, I32, U32
 from .errors import KdaError, check_int
@@ -236,9 +236,17 @@ class Glm5NextKdaWorkspace(DeviceOwner):
 
     @staticmethod
     def _known(name: str) -> str:
-        if name not in SPEC:
+        if not isinstance(name, str) or name not in SPEC:
             raise KdaError(f"workspace: no buffer {name!r}; the buffers are {sorted(SPEC)}")
         return name
+
+    def overlapping(self, ptr: DevicePtr, nbytes: int) -> str | None:
+        """The name of a buffer of this workspace that [ptr, ptr + nbytes) overlaps, or
+        None."""
+        for name, buf in self._ptrs.items():
+            if overlaps(ptr, nbytes, buf, self._capacity(name)):
+                return name
+        return None
 
     def check_tokens(self, t: int, what: str, hint: str = "") -> None:
         """A KdaError unless t is a token count in [1, max_tokens]; `hint` says what else the

@@ -1016,6 +1016,15 @@ def _cfg():
     (lambda gpu, c: RunPlan(4, 0, 9).check(), r"k must be an integer in \[0, 8\], got 9"),
     (lambda gpu, c: open_backend("tpu"), "expected 'auto', 'cuda' or 'host'"),
     (lambda gpu, c: gpu.alloc(0), "nbytes must be a positive integer"),
+    (lambda gpu, c: gpu.alloc(2**70), "alloc needs .* of device memory, but .* free"),
+    (lambda gpu, c: gpu.memset(gpu.alloc(4), 256, 4, 0),
+     r"memset: byte must be an integer in \[0, 255\], got 256"),
+    (lambda gpu, c: gpu.download(gpu.alloc(4), (-1,), np.float32),
+     "download: a dimension of the shape must be a non-negative integer, got -1"),
+    (lambda gpu, c: Glm5NextKdaWorkspace(gpu, c, 4).read(["final_out"], 1),
+     r"no buffer \['final_out'\]"),
+    (lambda gpu, c: KdaStatePool(gpu, c, 2).check_slots(5, "zero"),
+     "zero: pass the slots as a list or 1-D array of integers, got 5"),
     (lambda gpu, c: c.shard(0), "tp_size must be a positive integer, got 0"),
     (lambda gpu, c: c.check_tp(-1, 2), "tp_rank must be a non-negative integer, got -1"),
     (lambda gpu, c: c.check_tp(np.int64(1), np.int64(2)) or c.check_tp(2, 2),
@@ -1297,6 +1306,12 @@ def test_uploads_of_another_element_size_are_refused_before_the_state_moves(boun
                               state, ws, 0), "decode: hidden: .* float32 array"),
         (lambda: layer.prefill(gpu, gpu.upload(np.zeros((4, cfg.hidden_size), np.float64)), 4,
                                state, ws, 0), "prefill: hidden: .* float64 array"),
+        (lambda: layer.prefill(gpu, gpu.upload(random_hidden(4, cfg.hidden_size, 3)
+                                               .astype(np.float16)), 4, state, ws, 0),
+         r"prefill: hidden: the kernels read bfloat16 \(2-byte\) elements there, but .* "
+         r"float16 array \(2-byte elements\); convert it with .astype\(bfloat16\)"),
+        (lambda: layer.decode_batch(gpu, h2, 2, gpu.upload(np.array([3, 5], np.float32)), pool,
+                                    ws, 0), "decode_batch: slots: .* float32 array"),
     ]:
         with pytest.raises(KdaError, match=pattern):
             call()
@@ -1344,6 +1359,8 @@ def test_seed_pieces_and_stack_lookups_check_their_arguments(bound):
         (lambda: Glm5NextKdaLayer(0, cfg, {}, layer.kernels),
          "the weights must be a Glm5NextKdaWeights, got dict"),
         (lambda: setattr(layer, "stage_hook", 5), "stage_hook must be callable"),
+        (lambda: setattr(layer, "stage_hook", lambda stage: None),
+         r"stage_hook must be callable as hook\(stage, gpu, stream\)"),
     ]:
         with pytest.raises(KdaError, match=pattern):
             call()
@@ -1374,6 +1391,12 @@ def test_snapshots_apart_and_out_in_place_or_apart(bound):
          "prefill_windowed: out .* overlaps hidden .* without being it"),
         (lambda: prefill_packed(layer, gpu, big, [0, 20, 40], [0, 1], [False, False], pool, ws,
                                 big + row, 0), "prefill_packed: out .* overlaps hidden"),
+        (lambda: prefill_packed(layer, gpu, big, [0, 4, 8, 12, 16], [0, 1, 2, 3], [False] * 4,
+                                pool, ws, ws.final_out, 0),
+         "prefill_packed: out .* overlaps the workspace's final_out, which every window "
+         "writes"),
+        (lambda: prefill_windowed(layer, gpu, big, 8, state, ws, ws.final_out + row, 0),
+         "prefill_windowed: out .* overlaps the workspace's final_out"),
     ]:
         with pytest.raises(KdaError, match=pattern):
             call()
@@ -1385,6 +1408,41 @@ def test_snapshots_apart_and_out_in_place_or_apart(bound):
     prefill_windowed(layer, gpu, big, 40, state, ws, big, 0)  # in place
     assert np.array_equal(gpu.download(big, (40, cfg.hidden_size), BF16).view(np.uint16),
                           expected.view(np.uint16))
+
+
+def test_a_stage_hook_that_raises_says_the_states_hold_part_of_the_call(bound):
+    """A stage hook's exception stops the call between steps: it comes back as a KdaError
+    that names the stage and says the states took the steps before it (the conv state has
+    moved, the recurrent state not), with the hook's exception as its cause."""
+    gpu, stack, state = bound
+    layer, ws, cfg = stack.layer(0), stack.workspace, stack.cfg
+    state.upload(*(np.full(a.shape, 0.25, a.dtype) for a in state.download()))
+    before = state.download()
+
+    def hook(stage, gpu_, stream):
+        if stage.name == "conv_out":
+            raise OSError("disk full")
+
+    layer.stage_hook = hook
+    try:
+        with pytest.raises(KdaError, match=r"layer 0: the stage hook raised at stage conv_out "
+                                           r"\(OSError: disk full\); the call stopped after its "
+                                           r"conv step, so the states it took hold a part") as e:
+            layer.prefill(gpu, gpu.upload(random_hidden(4, cfg.hidden_size, 1)), 4, state, ws, 0)
+    finally:
+        layer.stage_hook = None
+    assert isinstance(e.value.__cause__, OSError)
+    rec, conv = state.download()
+    assert np.array_equal(rec, before[0]) and not np.array_equal(conv.view(np.uint16),
+                                                                 before[1].view(np.uint16))
+
+
+def test_a_bf16_npy_input_is_told_why_it_reads_as_void(made, tmp_path):
+    """numpy.save writes bf16 as 2-byte voids: the refusal says so and what to save."""
+    np.save(tmp_path / "bf.npy", random_hidden(4, 256, 0))
+    r = invoke("layer-run", made["single"], "--input", tmp_path / "bf.npy", *RUN)
+    assert r.exit_code == 1
+    assert ".npy cannot name bf16; save float32, or bf16 in .safetensors" in r.output, r.output
 
 
 def test_layer_run_says_which_input_rows_it_takes(made, tmp_path):

@@ -397,13 +397,17 @@ def test_a_group_refuses_a_rank_s_state_for_another_rank(host, ckpts):
     """Every rank's state has the same shapes, so states passed in another rank order would run
     each rank on another rank's heads: a call marks each state and pool with its rank
     (`tp_rank`), and a later call that passes it for another rank is refused before any rank
-    runs. A refused call marks nothing; setting tp_rank to None lets a state be reused."""
+    runs. A refused call marks nothing; setting tp_rank to None lets a state be reused. A pool
+    slot's state carries its own mark (slots of one pool may hold different ranks')."""
     stacks = [load_stack(host, ckpts["bounded"], 16, [1], tp_rank=r, tp_size=2) for r in range(2)]
     group = TpGroup.of(host, stacks, 1)
     h = host.upload(random_hidden(4, 256, 21))
     states = [KdaSeqState(host, s.cfg) for s in stacks]
     with pytest.raises(KdaError, match="40 tokens exceed the workspace"):
         group.prefill(host, h, 40, states, 0)
+    small = TpGroup.of(host, stacks, 1, max_rows=2)
+    with pytest.raises(KdaError, match="3 rows exceed the sum buffer's 2"):
+        small.decode_k(host, h, 3, states, None, 0)
     assert [s.tp_rank for s in states] == [None, None]  # refused: not marked
     group.prefill(host, h, 4, states, 0)
     assert [s.tp_rank for s in states] == [0, 1]
@@ -424,6 +428,11 @@ def test_a_group_refuses_a_rank_s_state_for_another_rank(host, ckpts):
     with pytest.raises(KdaError, match="decode_batch: pools: the one given for rank 0 holds "
                                        "rank 1's heads"):
         group.decode_batch(host, h, 1, slots, pools[::-1], 0)
+    one = KdaStatePool(host, stacks[0].cfg, 2)  # slot 0 rank 0's, slot 1 rank 1's
+    group.decode(host, h, [one.state(0), one.state(1)], 0)
+    assert (one.state(0).tp_rank, one.state(1).tp_rank, one.tp_rank) == (0, 1, None)
+    with pytest.raises(KdaError, match="the one given for rank 0 holds rank 1's heads"):
+        group.decode(host, h, [one.state(1), one.state(0)], 0)
 
 
 def test_a_group_refuses_hidden_a_rank_overwrites_and_checks_every_ranks_pack(host, ckpts):
