@@ -109,11 +109,13 @@ def _callable_with(fn: object, n: int) -> bool:
 
 
 def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int,
-                     ws: Glm5NextKdaWorkspace, what: str) -> None:
-    """`out` is `hidden` itself (in place) or lies apart from its nbytes: a window's rows
-    copied to an out that starts inside hidden would overwrite rows a later window reads; and
-    out lies outside the workspace, whose buffers (final_out among them) the next window's
-    kernels write over the rows copied there."""
+                     ws: Glm5NextKdaWorkspace, states: Sequence[tuple[DevicePtr, int]],
+                     whose: str, what: str) -> None:
+    """A windowed call's `out` (nbytes, as hidden's) is `hidden` itself (in place) or lies
+    apart from it: a window's rows copied to an out that starts inside hidden would overwrite
+    rows a later window reads. And it lies outside what the windows write: the workspace
+    (final_out among its buffers, over the rows copied there) and the states' regions
+    `states` (`whose`: the state's own buffers, the state pool's slots)."""
     if out != hidden and overlaps(out, nbytes, hidden, nbytes):
         raise KdaError(f"{what}: out {out!r} overlaps hidden {hidden!r} ({nbytes} bytes each) "
                        f"without being it: a window's output would overwrite input rows a "
@@ -122,6 +124,8 @@ def _check_out_apart(out: DevicePtr, hidden: DevicePtr, nbytes: int,
         raise KdaError(f"{what}: out {out!r} overlaps the workspace's {name}, which every "
                        f"window writes: an earlier window's rows copied there would be "
                        f"overwritten; pass a buffer of its own")
+    if any(overlaps(out, nbytes, buf, n) for buf, n in states):
+        raise KdaError(f"{what}: out {out!r} overlaps {whose}")
 
 
 @functools.cache
@@ -606,10 +610,9 @@ def prefill_windowed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr
     row = layer.cfg.hidden_size * BF16.itemsize
     gpu.check_region(hidden, t * row, "prefill_windowed: hidden")
     gpu.check_region(out, t * row, "prefill_windowed: out")
-    _check_out_apart(out, hidden, t * row, ws, "prefill_windowed")
-    for buf, n in ((state.recurrent, state.recurrent_nbytes), (state.conv, state.conv_nbytes)):
-        if overlaps(out, t * row, buf, n):
-            raise KdaError(f"prefill_windowed: out {out!r} overlaps the state's own buffers")
+    _check_out_apart(out, hidden, t * row, ws, ((state.recurrent, state.recurrent_nbytes),
+                                                 (state.conv, state.conv_nbytes)),
+                     "the state's own buffers", "prefill_windowed")
     for start in range(0, t, ws.max_tokens()):
         n = min(ws.max_tokens(), t - start)
         layer.prefill(gpu, hidden + start * row, n, state, ws, stream)
@@ -725,11 +728,9 @@ def check_packed(layer: Glm5NextKdaLayer, gpu: GpuBackend, hidden: DevicePtr,
     rows = int(bounds[-1]) * layer.cfg.hidden_size * BF16.itemsize  # bytes of hidden and of out
     gpu.check_region(hidden, rows, "prefill_packed: hidden")
     gpu.check_region(out, rows, "prefill_packed: out")
-    _check_out_apart(out, hidden, rows, ws, "prefill_packed")
-    for buf, n in ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
-                   (pool.conv, pool.slots * pool.conv_nbytes)):
-        if overlaps(out, rows, buf, n):
-            raise KdaError(f"prefill_packed: out {out!r} overlaps the state pool's slots")
+    _check_out_apart(out, hidden, rows, ws, ((pool.recurrent, pool.slots * pool.recurrent_nbytes),
+                                             (pool.conv, pool.slots * pool.conv_nbytes)),
+                     "the state pool's slots", "prefill_packed")
     return Pack(bounds, init, length, np.asarray(slots, np.int64), checkpoint_every,
                 np.asarray(flat, np.int64) if checkpoint_every else None)
 

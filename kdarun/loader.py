@@ -10,7 +10,7 @@ from typing import Iterable
 from .backend import DeviceOwner, GpuBackend
 from .checkpoint import Checkpoint
 from .config import Glm5NextKdaConfig
-from .errors import KdaError, check_int
+from .errors import KdaError, check_int, is_host_sequence
 from .kernels import Glm5NextKdaKernels
 from .layer import Glm5NextKdaLayer
 from .weights import Glm5NextKdaWeights, weights_nbytes
@@ -72,8 +72,7 @@ def load_stack(gpu: GpuBackend, path: str | Path, max_tokens: int,
     ckpt.config.check_tp(tp_rank, tp_size)
     cfg = ckpt.config.shard(tp_size)
     max_tokens = check_int(max_tokens, "load_stack: max_tokens", 1)
-    if layers is not None and (isinstance(layers, (str, bytes))
-                               or not isinstance(layers, Iterable)):
+    if layers is not None and not is_host_sequence(layers):
         raise KdaError(f"load_stack: layers must be 0-based layer indices (a list, tuple, "
                        f"range or array), or None for every KDA layer; got {layers!r}")
     wanted = [check_int(i, "load_stack: a layer index")

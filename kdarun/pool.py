@@ -145,14 +145,9 @@ class KdaStatePool(DeviceOwner):
             if n:
                 self._gpu.check_region(ptr, n * I32.itemsize, f"{what}: {name}")
 
-    def zero(self, slots: Iterable[int], stream: int = 0) -> None:
+    def zero(self, slots: Sequence[int], stream: int = 0) -> None:
         """Zero the states of `slots` (a sequence of slots): new sequences start from there.
         Every slot is checked before any is zeroed."""
-        try:
-            slots = list(slots)
-        except TypeError:
-            raise KdaError(f"state pool zero: slots must be a sequence of slots, got "
-                           f"{slots!r}") from None
         self.check_slots(slots, "state pool zero")
         for s in slots:
             self._gpu.memset(self.recurrent_at(s), 0, self.recurrent_nbytes, stream)

@@ -1045,6 +1045,8 @@ def test_load_stack_refuses_bad_arguments_before_allocating(made):
                         ({"max_tokens": 8, "layers": [True]}, "layer index must be an integer"),
                         ({"max_tokens": 8, "layers": 0}, "layers must be 0-based layer indices"),
                         ({"max_tokens": 8, "layers": "0"}, "layers must be 0-based layer indices"),
+                        ({"max_tokens": 8, "layers": {0: 1}},
+                         "layers must be 0-based layer indices"),
                         ({"max_tokens": 8, "layers": []}, "layers is empty"),
                         ({"max_tokens": 8, "layers": [0, 1, 0]},
                          r"layers names a layer more than once: \[0, 1, 0\]"),

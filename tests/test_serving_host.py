@@ -235,8 +235,11 @@ def test_pool_zero_checks_every_slot_first(env):
     with pytest.raises(KdaError, match=r"state pool zero: a slot must be an integer in \[0, 3\), got 99"):
         pool.zero([1, 99])
     assert pool.download(1)[0].any()  # slot 1 kept its state
-    with pytest.raises(KdaError, match="slots must be a sequence of slots, got 3"):
+    with pytest.raises(KdaError, match="state pool zero: pass the slots as a list or 1-D array "
+                                       "of integers, got 3"):
         pool.zero(3)
+    with pytest.raises(KdaError, match="slots as a list or 1-D array of integers, got {1: 2}"):
+        pool.zero({1: 2})
 
 
 @pytest.fixture(scope="module")
